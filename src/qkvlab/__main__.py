@@ -1,0 +1,3 @@
+from qkvlab.cli import main
+
+raise SystemExit(main())
