@@ -1,0 +1,197 @@
+"""Model configuration: one typed, validated dataclass for the whole model family.
+
+The projection scheme (`projection`) is THE switch for which of W_Q, W_K, W_V is the identity,
+or whether the query is the nonlinear map of the follow-up paper. Everything else in the model
+reads it from here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
+
+from qkvlab.errors import QkvlabError
+
+Projection = Literal["baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q"]
+PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
+ACTIVATIONS: tuple[str, ...] = ("gelu", "relu")
+NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "none")
+POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
+# "full": x + attn(n1 x), then + mlp(n2 x) (GPT-2). "attention": skip around attention only,
+# X_{l+1} = MLP(X_l + MHA(X_l)) (PAPER.md section 2.2). "none": no skips at all.
+RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
+
+
+@dataclass
+class ModelConfig:
+    """Shape and layout of a GPT (causal) or encoder (bidirectional) transformer."""
+
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block_size: int = 256
+    vocab_size: int = 65
+    n_kv_head: int | None = None  # GQA/MQA; None means n_head
+    head_dim: int | None = None  # None means n_embd // n_head
+    mlp_hidden: int | None = None  # None means round(mlp_ratio * n_embd)
+    mlp_ratio: float = 4.0
+    bias: bool = False
+    dropout: float = 0.0
+    tie_embeddings: bool = True
+    activation: str = "gelu"
+    norm: str = "layernorm"
+    positions: str = "learned"
+    rope_base: float = 10000.0
+    residual: str = "full"
+    share_layers: bool = False  # one block applied n_layer times (ALBERT-style)
+    causal: bool = True  # False: bidirectional encoder
+    projection: str = "baseline"
+    attn_scale: float | None = None  # None: the scheme's default (see default_attn_scale)
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- derived quantities -------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def d_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return int(round(self.mlp_ratio * self.n_embd))
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.default_attn_scale
+
+    @property
+    def default_attn_scale(self) -> float:
+        """1/sqrt(d_k) for the baseline; halved when Q or K is the identity (PAPER.md 5).
+
+        With an identity query (or key) the logits are raw coordinate products, larger than
+        with a learned projection initialised at std 0.02, so the paper halves the scale.
+        """
+        base = 1.0 / math.sqrt(self.d_head)
+        return base / 2 if self.projection in ("q-identity", "k-identity") else base
+
+    # ---- validation ---------------------------------------------------------------------
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise QkvlabError(f"invalid model config: {msg}")
+
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name} must be a positive integer, got {value!r}",
+            )
+        for name in ("n_kv_head", "head_dim", "mlp_hidden"):
+            value = getattr(self, name)
+            need(
+                value is None or (isinstance(value, int) and not isinstance(value, bool)
+                                  and value > 0),
+                f"{name} must be a positive integer or unset, got {value!r}",
+            )
+        need(self.n_layer <= 1024 and self.n_embd <= 65536 and self.block_size <= 1 << 20,
+             f"sizes are absurd (n_layer={self.n_layer}, n_embd={self.n_embd}, "
+             f"block_size={self.block_size}); check the config")
+        need(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
+        need(0.0 < float(self.mlp_ratio) <= 64.0,
+             f"mlp_ratio must be in (0, 64], got {self.mlp_ratio!r}")
+        need(0.0 <= float(self.dropout) < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
+        need(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
+        need(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
+        for name, allowed in (
+            ("projection", PROJECTIONS),
+            ("activation", ACTIVATIONS),
+            ("norm", NORMS),
+            ("positions", POSITIONS),
+            ("residual", RESIDUALS),
+        ):
+            value = getattr(self, name)
+            need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+        need(self.attn_scale is None or float(self.attn_scale) > 0,
+             f"attn_scale must be > 0 or unset, got {self.attn_scale!r}")
+
+        h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd
+        need(self.head_dim is not None or d % h == 0,
+             f"n_embd ({d}) must be divisible by n_head ({h}) unless head_dim is set")
+        need(h % hkv == 0,
+             f"n_head ({h}) must be divisible by n_kv_head ({hkv}) for grouped-query attention")
+        if self.projection in ("q-identity", "k-identity", "v-identity"):
+            which = self.projection[0].upper()
+            need(h * dk == d,
+                 f"projection={self.projection} needs n_head * head_dim == n_embd "
+                 f"(the identity W_{which} is d x d), got {h} * {dk} != {d}")
+        if self.projection in ("k-identity", "v-identity"):
+            need(hkv == h,
+                 f"projection={self.projection} needs n_kv_head == n_head (under GQA only W_Q "
+                 f"is square), got n_kv_head={hkv}, n_head={h}")
+        if self.projection == "nonlinear-q":
+            need(h * dk == d,
+                 f"projection=nonlinear-q needs n_head * head_dim == n_embd "
+                 f"(Q(X) = (X + f(X))/2), got {h} * {dk} != {d}")
+            need(d % 2 == 0, f"projection=nonlinear-q needs an even n_embd, got {d}")
+        if self.positions == "rope":
+            need(dk % 2 == 0, f"positions=rope needs an even head_dim, got {dk}")
+
+    # ---- (de)serialisation --------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], where: str = "model") -> ModelConfig:
+        """Build from plain data (a TOML table), refusing unknown keys and wrong types."""
+        valid = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(valid))
+        if unknown:
+            raise QkvlabError(
+                f"unknown key(s) {', '.join(unknown)} in [{where}]; valid keys: "
+                f"{', '.join(valid)}"
+            )
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            kwargs[key] = coerce(value, valid[key].type, f"{where}.{key}")
+        return cls(**kwargs)
+
+
+def coerce(value: Any, type_str: Any, where: str) -> Any:
+    """Check a TOML value against a dataclass field's annotation (a string under PEP 563)."""
+    t = str(type_str).replace(" ", "")
+    optional = t.endswith("|None")
+    base = t.removesuffix("|None")
+    if value is None:
+        if optional:
+            return None
+        raise QkvlabError(f"{where} must not be empty")
+    bad = QkvlabError(f"{where} must be {base.replace('Literal', 'one of ')}, got {value!r}")
+    if base == "bool":
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if base == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if base == "float":
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise bad
+        return float(value)
+    if base == "str":
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if base.startswith("list"):
+        if not isinstance(value, list):
+            raise bad
+        return value
+    return value

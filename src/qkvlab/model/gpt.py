@@ -1,0 +1,270 @@
+"""The transformer: GPT (causal) or encoder (bidirectional), with a switchable Q/K/V scheme.
+
+Reading order: `Attention` (where the projection scheme lives), `MLP`, `Block`, `GPT`.
+Shapes: B batch, T time, d = n_embd, H heads, Hkv key/value heads, dk head size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qkvlab.model.config import ModelConfig
+
+
+def make_norm(kind: str, dim: int, bias: bool) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, bias=bias)
+    if kind == "rmsnorm":
+        return nn.RMSNorm(dim)
+    return nn.Identity()
+
+
+class NonlinearQuery(nn.Module):
+    """f(X) = LN(GELU(RMSNorm(X) W1) W2), W1: d x d/2, W2: d/2 x d (PAPER.md section 6).
+
+    Same parameter budget as a d x d W_Q, plus two gains. The query is (X + f(X)) / 2.
+    """
+
+    def __init__(self, d: int, bias: bool):
+        super().__init__()
+        self.norm_in = nn.RMSNorm(d)
+        self.fc_in = nn.Linear(d, d // 2, bias=False)
+        self.fc_out = nn.Linear(d // 2, d, bias=False)
+        self.norm_out = nn.LayerNorm(d, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm_out(self.fc_out(F.gelu(self.fc_in(self.norm_in(x)))))
+
+
+class KVCache:
+    """Pre-allocated keys/values for incremental decoding, one slot per layer application."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, device, dtype):
+        shape = (batch_size, cfg.kv_heads, cfg.block_size, cfg.d_head)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layer)]
+
+    def bytes_per_token(self) -> int:
+        k = self.k[0]
+        per_layer = 2 * k.shape[1] * k.shape[3] * k.element_size()
+        return per_layer * len(self.k)
+
+
+def rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    half = cfg.d_head // 2
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(half, device=device).float() / half))
+    angles = torch.outer(torch.arange(cfg.block_size, device=device).float(), inv_freq)
+    return angles.cos(), angles.sin()  # (T, dk/2) each
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + dk/2) of x (B, H, T, dk) by position-dependent angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) attention whose Q, K or V projection may be the identity.
+
+    `cfg.projection` decides, in this one place, where each of q, k, v comes from:
+      baseline      q, k, v = x W_Q, x W_K, x W_V           (one fused matmul)
+      q-identity    q = x (head h reads slice h of x: a view, no matmul, no copy); k, v fused
+      k-identity    k = x; q, v fused            v-identity    v = x; q, k fused
+      nonlinear-q   q = (x + f(x)) / 2; k, v fused
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.projection = cfg.projection
+        self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.kv_heads, cfg.d_head
+        self.scale = cfg.scale
+        q_dim, kv_dim = self.n_head * self.d_head, self.n_kv_head * self.d_head
+        self.sizes = (
+            0 if cfg.projection in ("q-identity", "nonlinear-q") else q_dim,
+            0 if cfg.projection == "k-identity" else kv_dim,
+            0 if cfg.projection == "v-identity" else kv_dim,
+        )
+        self.in_proj = nn.Linear(cfg.n_embd, sum(self.sizes), bias=cfg.bias)
+        self.out_proj = nn.Linear(q_dim, cfg.n_embd, bias=cfg.bias)
+        self.query_map = NonlinearQuery(cfg.n_embd, cfg.bias) if cfg.projection == "nonlinear-q" \
+            else None
+        self.dropout = cfg.dropout
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        proj = self.in_proj(x)
+        q, k, v = proj.split(self.sizes, dim=-1)
+        if self.projection == "q-identity":
+            q = x
+        elif self.projection == "nonlinear-q":
+            q = 0.5 * (x + self.query_map(x))
+        elif self.projection == "k-identity":
+            k = x
+        elif self.projection == "v-identity":
+            v = x
+        # Under autocast the norm output stays fp32 while the matmul output is bf16: use one
+        # dtype for SDPA (.to is a no-op when they already agree).
+        q, k, v = q.to(proj.dtype), k.to(proj.dtype), v.to(proj.dtype)
+        q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, dk), a view
+        k = k.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][start_pos:start_pos + T], rope[1][start_pos:start_pos + T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        mask, is_causal = None, self.cfg.causal
+        if cache is not None:
+            end = start_pos + T
+            cache.k[layer][:, :, start_pos:end] = k
+            cache.v[layer][:, :, start_pos:end] = v
+            k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
+            if self.cfg.causal and start_pos > 0:
+                # Queries sit at positions start_pos..end-1; SDPA's is_causal would align the
+                # mask to the top-left corner, which is wrong once keys outnumber queries.
+                is_causal = False
+                if T > 1:
+                    qpos = torch.arange(start_pos, end, device=x.device)[:, None]
+                    mask = qpos >= torch.arange(end, device=x.device)[None, :]
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal and mask is None,
+            scale=self.scale,
+            enable_gqa=self.n_kv_head != self.n_head,
+        )
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)
+        return F.dropout(self.out_proj(y), self.dropout, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.fc_in = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias)
+        self.fc_out = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
+        self.act = nn.GELU() if cfg.activation == "gelu" else nn.ReLU()
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(self.fc_out(self.act(self.fc_in(x))), self.dropout, self.training)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.residual = cfg.residual
+        self.norm1 = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache=None, layer=0, start_pos=0):
+        a = self.attn(self.norm1(x), rope, cache, layer, start_pos)
+        if self.residual == "full":
+            x = x + a
+            return x + self.mlp(self.norm2(x))
+        if self.residual == "attention":  # X_{l+1} = MLP(X_l + MHA(X_l))
+            return self.mlp(self.norm2(x + a))
+        return self.mlp(self.norm2(a))
+
+
+class GPT(nn.Module):
+    """Token (+ position) embedding, n_layer blocks, final norm, language-model head."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.positions == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        n_blocks = 1 if cfg.share_layers else cfg.n_layer
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_blocks))
+        self.norm_f = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if cfg.positions == "rope":
+            cos, sin = rope_tables(cfg)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """N(0, std) everywhere; residual output projections at std / sqrt(2 n_layer)."""
+        std = self.cfg.init_std
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                if module.weight is not None:
+                    nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+        for block in self.blocks:
+            for proj in (block.attn.out_proj, block.mlp.fc_out):
+                nn.init.normal_(proj.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
+
+    def layers(self):
+        """(layer index, block) for each of the n_layer applications (shared blocks repeat)."""
+        for i in range(self.cfg.n_layer):
+            yield i, self.blocks[0 if self.cfg.share_layers else i]
+
+    def hidden_states(self, idx: torch.Tensor, cache: KVCache | None = None,
+                      start_pos: int = 0) -> torch.Tensor:
+        """Final-norm output (B, T, d) for token ids idx (B, T)."""
+        B, T = idx.shape
+        if start_pos + T > self.cfg.block_size:
+            raise ValueError(
+                f"sequence of {start_pos + T} tokens exceeds block_size {self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start_pos, start_pos + T, device=idx.device))
+        x = self.drop(x)
+        rope = (self.rope_cos, self.rope_sin) if self.cfg.positions == "rope" else None
+        for i, block in self.layers():
+            x = block(x, rope, cache, i, start_pos)
+        return self.norm_f(x)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: KVCache | None = None,
+        start_pos: int = 0,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, V) (or (B, 1, V) with last_only) and, given targets, the mean loss.
+
+        Targets equal to -100 are ignored (masked-LM and padding).
+        """
+        h = self.hidden_states(idx, cache, start_pos)
+        if last_only and targets is None:
+            h = h[:, -1:]
+        logits = self.lm_head(h)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
+        return logits, loss
+
+    def new_cache(self, batch_size: int, dtype=None) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.cfg, batch_size, p.device, dtype or p.dtype)
