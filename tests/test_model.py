@@ -1,0 +1,273 @@
+"""The model family: attention schemes against an einsum reference, causality, KV cache,
+parameter accounting, config validation."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from qkvlab.errors import QkvlabError
+from qkvlab.model import GPT, PROJECTIONS, ModelConfig
+from qkvlab.model.generate import generate, sample_next
+from qkvlab.model.gpt import Attention
+from qkvlab.model.params import count_params, flops_per_token
+
+PAPER = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+# PAPER.md section 5: baseline, reduced, reduced+4.5d MLP, 3.5d MLP control, d=744 control
+PAPER_VARIANTS = [
+    (dict(), 84_953_856, 124_373_760),
+    (dict(projection="q-identity"), 77_875_968, 117_295_872),
+    (dict(projection="q-identity", mlp_ratio=4.5), 84_953_856, 124_373_760),
+    (dict(mlp_ratio=3.5), 77_875_968, 117_295_872),
+    (dict(n_embd=744), 79_727_784, 117_915_816),
+]
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=50)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def reference_attention(attn: Attention, x: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Attention written out with einsum, independent of the module's SDPA path."""
+    cfg = attn.cfg
+    B, T, d = x.shape
+    H, Hkv, dk = cfg.n_head, cfg.kv_heads, cfg.d_head
+    w = attn.in_proj.weight
+    nq, nk, nv = attn.sizes
+    wq, wk, wv = w[:nq], w[nq:nq + nk], w[nq + nk:]
+    ident = torch.eye(d, dtype=x.dtype)
+    if cfg.projection == "q-identity":
+        wq = ident
+    if cfg.projection == "k-identity":
+        wk = ident
+    if cfg.projection == "v-identity":
+        wv = ident
+    q = x @ wq.T if cfg.projection != "nonlinear-q" else 0.5 * (x + attn.query_map(x))
+    k, v = x @ wk.T, x @ wv.T
+    q = q.reshape(B, T, H, dk)
+    k = k.reshape(B, T, Hkv, dk).repeat_interleave(H // Hkv, dim=2)
+    v = v.reshape(B, T, Hkv, dk).repeat_interleave(H // Hkv, dim=2)
+    logits = cfg.scale * torch.einsum("bthe,bshe->bhts", q, k)
+    if causal:
+        logits = logits.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = torch.einsum("bhts,bshe->bthe", logits.softmax(-1), v).reshape(B, T, H * dk)
+    return y @ attn.out_proj.weight.T
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_attention_matches_einsum_reference(projection, causal, n_kv_head):
+    if projection in ("k-identity", "v-identity") and n_kv_head != 4:
+        pytest.skip("key/value identity needs n_kv_head == n_head")
+    torch.manual_seed(0)
+    cfg = tiny(projection=projection, causal=causal, n_kv_head=n_kv_head)
+    attn = Attention(cfg).double()
+    for p in attn.parameters():  # move off the tiny init so differences would show
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    x = torch.randn(3, 11, cfg.n_embd, dtype=torch.float64)
+    expected = reference_attention(attn, x, causal)
+    torch.testing.assert_close(attn(x), expected, atol=1e-10, rtol=1e-10)
+
+
+def test_identity_query_uses_no_query_weights():
+    base, red = tiny(), tiny(projection="q-identity")
+    assert Attention(base).in_proj.out_features == 3 * 32
+    assert Attention(red).in_proj.out_features == 2 * 32
+    assert Attention(tiny(projection="nonlinear-q")).in_proj.out_features == 2 * 32
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_causality_later_tokens_never_change_earlier_logits(projection, positions):
+    torch.manual_seed(1)
+    model = GPT(tiny(projection=projection, positions=positions)).eval()
+    idx = torch.randint(0, 50, (2, 12))
+    changed = idx.clone()
+    changed[:, 7:] = torch.randint(0, 50, (2, 5))
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :7], b[:, :7])
+    assert not torch.allclose(a[:, 7:], b[:, 7:])
+
+
+def test_encoder_is_bidirectional():
+    torch.manual_seed(1)
+    model = GPT(tiny(causal=False)).eval()
+    idx = torch.randint(0, 50, (1, 10))
+    changed = idx.clone()
+    changed[0, -1] = (idx[0, -1] + 1) % 50
+    assert not torch.allclose(model(idx)[0][:, 0], model(changed)[0][:, 0])
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+@pytest.mark.parametrize("positions", ["learned", "rope"])
+def test_kv_cache_logits_equal_full_forward(projection, positions):
+    torch.manual_seed(2)
+    cfg = tiny(projection=projection, positions=positions, n_kv_head=4 if "k" in projection
+               or "v" in projection else 2)
+    model = GPT(cfg).double().eval()
+    idx = torch.randint(0, 50, (2, 14))
+    full, _ = model(idx)
+    cache = model.new_cache(2)
+    # prefill 5, then a chunk of 4 (exercises the offset causal mask), then single tokens
+    pieces = [(0, 5), (5, 9)] + [(t, t + 1) for t in range(9, 14)]
+    outs = [model(idx[:, a:b], cache=cache, start_pos=a)[0] for a, b in pieces]
+    torch.testing.assert_close(torch.cat(outs, dim=1), full, atol=1e-10, rtol=1e-10)
+
+
+def test_generate_with_cache_equals_without_and_respects_seed():
+    torch.manual_seed(3)
+    model = GPT(tiny(projection="q-identity", block_size=16))
+    prompt = torch.randint(0, 50, (2, 3))
+    # 20 new tokens overflow block_size 16: exercises the sliding window too
+    kw = dict(max_new_tokens=20, temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    a = generate(model, prompt, use_cache=True, **kw)
+    b = generate(model, prompt, use_cache=False, **kw)
+    assert a.shape == (2, 23)
+    assert torch.equal(a, b)
+    assert torch.equal(a, generate(model, prompt, use_cache=True, **kw))
+
+
+def test_generate_stops_at_stop_token():
+    torch.manual_seed(4)
+    model = GPT(tiny())
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    free = generate(model, prompt, 10, temperature=0)
+    stop = free[0, 4].item()  # the third greedy token
+    first = (free[0, 2:] == stop).nonzero()[0].item()
+    out = generate(model, prompt, 10, temperature=0, stop_token=stop)
+    assert out.shape[1] == 2 + first + 1
+    assert torch.equal(out, free[:, : out.shape[1]])
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
+    assert draws == {2, 3}
+    draws = {sample_next(logits, 1.0, top_p=0.5, generator=g).item() for _ in range(200)}
+    assert draws == {3}  # p(3) = 0.64 already covers half the mass
+    assert sample_next(logits, 0.0).item() == 3
+
+
+@pytest.mark.parametrize("variant,non_embedding,total", PAPER_VARIANTS)
+def test_paper_parameter_counts(variant, non_embedding, total):
+    cfg = ModelConfig(**{**PAPER, **variant})
+    counts = count_params(cfg)
+    assert counts.non_embedding == non_embedding
+    assert counts.total == total
+    untied = count_params(dataclasses.replace(cfg, tie_embeddings=False))
+    assert untied.total == total + 50304 * cfg.n_embd
+    assert untied.non_embedding == non_embedding
+
+
+def test_paper_counts_match_instantiated_model():
+    for variant, _, total in PAPER_VARIANTS:
+        with torch.device("meta"):
+            model = GPT(ModelConfig(**{**PAPER, **variant}))
+        assert sum(p.numel() for p in model.parameters()) == total
+
+
+def test_mlp_ratio_gives_paper_hidden_width():
+    assert ModelConfig(**PAPER, mlp_ratio=4.5).hidden == 3456
+    assert ModelConfig(**PAPER, mlp_hidden=1000).hidden == 1000
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n_layer=st.integers(1, 3),
+    n_head=st.sampled_from([1, 2, 4]),
+    kv_div=st.sampled_from([1, 2]),
+    d_mult=st.integers(1, 4),
+    projection=st.sampled_from(PROJECTIONS),
+    norm=st.sampled_from(["layernorm", "rmsnorm", "none"]),
+    positions=st.sampled_from(["learned", "rope", "none"]),
+    bias=st.booleans(),
+    tie=st.booleans(),
+    share=st.booleans(),
+    mlp_ratio=st.sampled_from([1.0, 3.5, 4.0, 4.5]),
+)
+def test_counts_equal_numel_for_any_config(n_layer, n_head, kv_div, d_mult, projection, norm,
+                                           positions, bias, tie, share, mlp_ratio):
+    kv = n_head // kv_div if projection not in ("k-identity", "v-identity") else n_head
+    cfg = ModelConfig(n_layer=n_layer, n_head=n_head, n_kv_head=max(kv, 1),
+                      n_embd=8 * n_head * d_mult, block_size=8, vocab_size=17,
+                      projection=projection, norm=norm, positions=positions, bias=bias,
+                      tie_embeddings=tie, share_layers=share, mlp_ratio=mlp_ratio)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+
+
+def test_attention_scale_defaults_and_override():
+    assert tiny().scale == pytest.approx(1 / math.sqrt(8))
+    assert tiny(projection="q-identity").scale == pytest.approx(1 / (2 * math.sqrt(8)))
+    assert tiny(projection="k-identity").scale == pytest.approx(1 / (2 * math.sqrt(8)))
+    assert tiny(projection="v-identity").scale == pytest.approx(1 / math.sqrt(8))
+    assert tiny(projection="q-identity", attn_scale=0.3).scale == 0.3
+
+
+def test_flops_ratio_matches_issue_figures():
+    baby = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65)
+    paper = ModelConfig(**PAPER)
+    for cfg, ideal in ((baby, 1.08), (paper, 1.05)):
+        red = dataclasses.replace(cfg, projection="q-identity")
+        assert flops_per_token(cfg) / flops_per_token(red) == pytest.approx(ideal, abs=0.005)
+
+
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        (dict(projection="q-identity", head_dim=4), "n_head * head_dim == n_embd"),
+        (dict(projection="k-identity", n_kv_head=2), "n_kv_head == n_head"),
+        (dict(n_kv_head=3), "divisible by n_kv_head"),
+        (dict(n_embd=30), "divisible by n_head"),
+        (dict(projection="w-identity"), "projection='w-identity' is not one of"),
+        (dict(n_layer=0), "n_layer must be a positive integer"),
+        (dict(dropout=1.5), "dropout"),
+        (dict(norm="batchnorm"), "norm='batchnorm'"),
+    ],
+)
+def test_invalid_configs_fail_with_the_rule(kwargs, fragment):
+    with pytest.raises(QkvlabError, match="invalid model config") as err:
+        tiny(**kwargs)
+    assert fragment in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_from_dict_rejects_unknown_and_mistyped_keys():
+    with pytest.raises(QkvlabError, match="unknown key.*n_layers.*valid keys"):
+        ModelConfig.from_dict({"n_layers": 3})
+    with pytest.raises(QkvlabError, match="model.n_layer must be int"):
+        ModelConfig.from_dict({"n_layer": "3"})
+    with pytest.raises(QkvlabError, match="model.bias must be bool"):
+        ModelConfig.from_dict({"bias": 1})
+    cfg = ModelConfig.from_dict({"n_layer": 3, "mlp_ratio": 4})
+    assert cfg.n_layer == 3 and cfg.mlp_ratio == 4.0
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_bf16_autocast_forward_and_backward(projection):
+    torch.manual_seed(5)
+    model = GPT(tiny(projection=projection))
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_shared_layers_and_residual_layouts_run():
+    for residual in ("full", "attention", "none"):
+        cfg = tiny(residual=residual, share_layers=True, norm="none")
+        model = GPT(cfg)
+        assert len(model.blocks) == 1
+        logits, _ = model(torch.randint(0, 50, (1, 8)))
+        assert logits.shape == (1, 8, 50)
