@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a Hugging Face dataset name (hf:NAME)")
     p.add_argument("--tokenizer", default="char", help="char | bytes | gpt2 | bpe:N")
     p.add_argument("--out", default=None, help="output folder (default data/SOURCE-TOKENIZER)")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="held-out share (default 0.1; 0.0005 for Hugging Face datasets)")
+    p.add_argument("--text-field", default="text", help="field holding the text (.jsonl, datasets)")
     p.add_argument("--num-proc", type=int, default=1, help="worker processes (datasets only)")
     p.add_argument("--force", action="store_true", help="overwrite a different prepared folder")
     p.set_defaults(handler="qkvlab.data.prepare:prepare_command")
@@ -122,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     except QkvlabError as err:
         print(f"qkvlab {args.command}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:  # output piped into `head` and the like
+        return 0
     except KeyboardInterrupt:
         print(f"qkvlab {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -1,0 +1,187 @@
+"""Read a prepared data dir and cut it into training and validation windows.
+
+Batches are pure functions of their arguments: the window offsets of (seed, step, micro_step)
+come from a generator seeded by exactly those numbers. Resuming at a step replays the same
+batches, and DDP ranks take disjoint slices of one global batch, which is the same for any
+world size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from qkvlab.data.tokenizer import Tokenizer, load_tokenizer
+from qkvlab.errors import QkvlabError
+
+ID_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning for out-of-range ids
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_REQUIRED = ("format", "tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
+
+
+def batch_seed(seed: int, step: int, micro_step: int) -> int:
+    """A 63-bit generator seed for one (seed, step, micro_step); stable across versions.
+
+    numpy's SeedSequence mixes the three numbers so that nearby triples give unrelated streams.
+    """
+    for name, value in (("seed", seed), ("step", step), ("micro_step", micro_step)):
+        if int(value) < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    words = np.random.SeedSequence([int(seed), int(step), int(micro_step)]).generate_state(2)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
+def _windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[torch.Tensor, ...]:
+    """x = data[s : s + block], y = data[s + 1 : s + block + 1] for each start s, as int64."""
+    idx = starts.astype(np.int64)[:, None] + np.arange(block_size + 1, dtype=np.int64)
+    rows = torch.from_numpy(np.asarray(data[idx], dtype=np.int64))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+class TokenData:
+    """Memory-mapped train/val tokens of a dir written by `qkvlab prepare`."""
+
+    def __init__(self, data_dir: Path | str, check_ids: bool = True) -> None:
+        self.data_dir = Path(data_dir)
+        self.meta = self._read_meta()
+        self.vocab_size = int(self.meta["vocab_size"])
+        self.eot_token: int | None = self.meta.get("eot_token")
+        self.dtype = _DTYPES[self.meta["dtype"]]
+        self.train = self._open("train")
+        self.val = self._open("val")
+        if check_ids:
+            for split in ("train", "val"):
+                self._check_ids(split)
+        self._tokenizer: Tokenizer | None = None
+
+    def _no_data(self, why: str) -> QkvlabError:
+        return QkvlabError(
+            f"no prepared data at {self.data_dir} ({why}): run `qkvlab prepare shakespeare "
+            f"--tokenizer char --out {self.data_dir}`"
+        )
+
+    def _read_meta(self) -> dict[str, Any]:
+        path = self.data_dir / "meta.json"
+        if not path.is_file():
+            raise self._no_data("no meta.json")
+        try:
+            meta = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            raise self._no_data("meta.json is unreadable") from None
+        if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED):
+            raise self._no_data("meta.json lacks required fields")
+        if meta["format"] != 1:
+            raise QkvlabError(
+                f"{path} has format {meta['format']}, this qkvlab reads format 1: "
+                "re-run qkvlab prepare with this version"
+            )
+        if meta["dtype"] not in _DTYPES:
+            raise self._no_data(f"unknown dtype {meta['dtype']!r} in meta.json")
+        return meta
+
+    def _open(self, split: str) -> np.ndarray:
+        path = self.data_dir / f"{split}.bin"
+        count = int(self.meta[f"{split}_tokens"])
+        rerun = f"re-run `qkvlab prepare` for {self.data_dir} (with --force)"
+        if not path.is_file():
+            raise QkvlabError(f"{path} is missing: {rerun}")
+        size, expected = path.stat().st_size, count * self.dtype.itemsize
+        if size != expected:
+            state = "truncated" if size < expected else "longer than meta.json says"
+            raise QkvlabError(f"{path} is {state} ({size} bytes, expected {expected}): {rerun}")
+        if count == 0:  # np.memmap cannot map an empty file
+            return np.zeros(0, dtype=self.dtype)
+        return np.memmap(path, dtype=self.dtype, mode="r", shape=(count,))
+
+    def _check_ids(self, split: str) -> None:
+        data = self.train if split == "train" else self.val
+        if np.iinfo(self.dtype).max < self.vocab_size:
+            return  # every value the dtype can hold is a valid id
+        for start in range(0, len(data), ID_CHECK_CHUNK):
+            top = int(data[start : start + ID_CHECK_CHUNK].max())
+            if top >= self.vocab_size:
+                raise QkvlabError(
+                    f"{self.data_dir / f'{split}.bin'} holds token id {top} but vocab_size is "
+                    f"{self.vocab_size}: the data does not match its meta.json; re-run "
+                    "`qkvlab prepare` (with --force)"
+                )
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The data's tokenizer, loaded on first use."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.data_dir, self.meta)
+        return self._tokenizer
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train)
+
+    @property
+    def val_tokens(self) -> int:
+        return len(self.val)
+
+    def _need(self, split: str, n: int, block_size: int) -> None:
+        if block_size < 1:
+            raise QkvlabError(f"block_size must be at least 1, got {block_size}")
+        if n < block_size + 1:
+            raise QkvlabError(
+                f"the {split} split of {self.data_dir} has {n} tokens, fewer than block_size + 1 "
+                f"= {block_size + 1}: use a smaller block_size or more data"
+            )
+
+    def train_batch(
+        self,
+        step: int,
+        micro_step: int,
+        batch_size: int,
+        block_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s slice (batch_size rows) of the global batch for (seed, step, micro_step).
+
+        The global batch has batch_size * world_size random windows; x and y are int64 of shape
+        (batch_size, block_size), y being x shifted by one token.
+        """
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size=}, "
+                f"{rank=}, {world_size=}"
+            )
+        self._need("train", len(self.train), block_size)
+        gen = torch.Generator().manual_seed(batch_seed(seed, step, micro_step))
+        n_starts = len(self.train) - block_size  # starts 0..n-block-1 leave room for y
+        starts = torch.randint(n_starts, (batch_size * world_size,), generator=gen).numpy()
+        mine = starts[rank * batch_size : (rank + 1) * batch_size]
+        return _windows(self.train, mine, block_size)
+
+    def val_window_starts(self, num_windows: int, block_size: int) -> np.ndarray:
+        """Evenly spaced start offsets over the val split, first at 0 and last at the end."""
+        if num_windows < 1:
+            raise ValueError(f"num_windows must be >= 1, got {num_windows}")
+        self._need("val", len(self.val), block_size)
+        last = len(self.val) - block_size - 1
+        if num_windows == 1:
+            return np.zeros(1, dtype=np.int64)
+        # Integer arithmetic: the same starts on every platform, no float rounding.
+        return np.arange(num_windows, dtype=np.int64) * last // (num_windows - 1)
+
+    def val_windows(self, num_windows: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed, RNG-free set of val windows: identical for every run on the same data.
+
+        If num_windows exceeds the distinct starts available, some windows repeat.
+        """
+        starts = self.val_window_starts(num_windows, block_size)
+        return _windows(self.val, starts, block_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenData({str(self.data_dir)!r}, tokenizer={self.meta['tokenizer']!r}, "
+            f"vocab_size={self.vocab_size}, train={len(self.train)}, val={len(self.val)})"
+        )

@@ -1,0 +1,456 @@
+"""`qkvlab prepare`: tokenise a source into train.bin / val.bin / meta.json.
+
+The .bin files are raw little-endian token arrays (uint16 when the vocabulary fits, else uint32),
+the layout nanoGPT uses, so they can be memory-mapped without parsing. Every file is written to a
+temporary name and renamed into place, and meta.json is written last: a dir with meta.json is
+complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from qkvlab.data.cache import temp_sibling, write_atomic
+from qkvlab.data.corpus import (
+    hf_fingerprint,
+    load_hf_dataset,
+    read_source,
+    source_kind,
+    source_name,
+)
+from qkvlab.data.tokenizer import (
+    TOKENIZER_FILES,
+    Tokenizer,
+    build_tokenizer,
+    load_tokenizer,
+    parse_spec,
+)
+from qkvlab.errors import QkvlabError
+
+FORMAT = 1
+SPLIT_SEED = 2357  # nanoGPT's OpenWebText split seed, reused for every document split
+DEFAULT_VAL_FRACTION = 0.1
+HF_VAL_FRACTION = 0.0005  # nanoGPT's OpenWebText val share; 10% of a web corpus is wasteful
+ENCODE_BATCH_DOCS = 1024
+MAX_SHARDS = 1024
+# Settings that must match for an existing prepared dir to be reused as it is.
+_SETTINGS = ("format", "tokenizer", "source_sha256", "val_fraction", "split_seed")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Smallest little-endian unsigned dtype holding ids 0..vocab_size-1 (uint16 or uint32)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def default_data_dir(source: str, tokenizer: str) -> Path:
+    """data/<source-name>-<tokenizer> under the current directory, e.g. data/shakespeare-char."""
+    return Path("data") / f"{source_name(source)}-{tokenizer.replace(':', '-')}"
+
+
+def write_tokens(
+    path: Path, chunks: Iterable[Sequence[int] | np.ndarray], total: int, dtype: np.dtype
+) -> int:
+    """Write `total` token ids, arriving in `chunks`, to `path` through a memmap; atomically.
+
+    Only one chunk is in memory at a time, so shards of a large dataset can stream through.
+    """
+    dtype = np.dtype(dtype).newbyteorder("<")
+    limit = np.iinfo(dtype).max
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_sibling(path)
+    open(tmp, "xb").close()
+    try:
+        # np.memmap cannot map an empty file; an empty split is written as an empty file.
+        out = np.memmap(tmp, dtype=dtype, mode="w+", shape=(total,)) if total else None
+        pos = 0
+        for chunk in chunks:
+            arr = np.asarray(chunk, dtype=np.int64).reshape(-1)
+            if arr.size == 0:
+                continue
+            if pos + arr.size > total:
+                raise ValueError(f"{path}: more tokens than the {total} counted")
+            if arr.min() < 0 or arr.max() > limit:
+                raise ValueError(f"{path}: token ids outside 0..{limit}")
+            assert out is not None
+            out[pos : pos + arr.size] = arr
+            pos += arr.size
+        if pos != total:
+            raise ValueError(f"{path}: got {pos} tokens, counted {total}")
+        if out is not None:
+            out.flush()
+            del out
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return total
+
+
+def split_documents(n_docs: int, val_fraction: float, seed: int = SPLIT_SEED):
+    """Deterministic (train_indices, val_indices) of a document split, each in corpus order.
+
+    Returns None when there are too few documents for both splits to get one; the caller then
+    splits the token stream instead.
+    """
+    n_val = int(n_docs * val_fraction + 0.5)
+    if n_docs < 2 or n_val < 1 or n_val >= n_docs:
+        return None
+    perm = np.random.default_rng(seed).permutation(n_docs)
+    return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def _encode_docs(tok: Tokenizer, docs: Sequence[str], add_eot: bool) -> np.ndarray:
+    parts = []
+    for start in range(0, len(docs), ENCODE_BATCH_DOCS):
+        for ids in tok.encode_batch(docs[start : start + ENCODE_BATCH_DOCS]):
+            if add_eot:
+                ids = [*ids, tok.eot_token]
+            parts.append(np.asarray(ids, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _eot_note(tok: Tokenizer) -> str:
+    return f"; eot id {tok.eot_token} after each document" if tok.eot_token is not None else ""
+
+
+def _split_local(
+    tok: Tokenizer, docs: list[str], val_fraction: float
+) -> tuple[np.ndarray, np.ndarray, str]:
+    """Token arrays for train and val, and a description of the split."""
+    add_eot = tok.eot_token is not None and len(docs) > 1
+    pct = f"{val_fraction:.4g}"
+    split = split_documents(len(docs), val_fraction)
+    if split is not None:
+        train_idx, val_idx = split
+        train = _encode_docs(tok, [docs[i] for i in train_idx], add_eot)
+        val = _encode_docs(tok, [docs[i] for i in val_idx], add_eot)
+        desc = (
+            f"documents: {len(val_idx)} of {len(docs)} documents (round({pct} * n), chosen with "
+            f"numpy default_rng({SPLIT_SEED}).permutation) are val, the rest train, each in "
+            f"corpus order{_eot_note(tok) if add_eot else ''}"
+        )
+        return train, val, desc
+    ids = _encode_docs(tok, docs, add_eot)
+    n_train = int(len(ids) * (1 - val_fraction))
+    desc = f"stream: the first {n_train} tokens are train, the last {pct} of the stream val"
+    if len(docs) > 1:
+        desc += f" ({len(docs)} documents concatenated{_eot_note(tok) if add_eot else ''})"
+    return ids[:n_train], ids[n_train:], desc
+
+
+def _check_val_fraction(val_fraction: float) -> None:
+    if not 0.0 < val_fraction < 1.0:
+        raise QkvlabError(
+            f"val fraction {val_fraction} is outside (0, 1): pass e.g. --val-fraction 0.1"
+        )
+
+
+def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
+    path = out_dir / "meta.json"
+    if not path.exists():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # unreadable: counts as "different settings"
+    return meta if isinstance(meta, dict) else {}
+
+
+def _files_intact(out_dir: Path, meta: dict[str, Any]) -> bool:
+    try:
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        return all(
+            (out_dir / f"{split}.bin").stat().st_size == int(meta[f"{split}_tokens"]) * itemsize
+            for split in ("train", "val")
+        )
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+
+
+def _reuse_or_clear(
+    out_dir: Path, settings: dict[str, Any], overwrite: bool
+) -> dict[str, Any] | None:
+    """The existing meta if out_dir already holds these exact settings; else make room or raise."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise QkvlabError(f"output {out_dir} is a file, not a folder: choose another --out")
+    old = _existing_meta(out_dir)
+    if old is None:
+        return None
+    same = all(old.get(k) == settings[k] for k in _SETTINGS)
+    if same and _files_intact(out_dir, old):
+        return old
+    if not same and not overwrite:
+        diff = [
+            f"{k} {old.get(k)!r} vs {settings[k]!r}" for k in _SETTINGS if old.get(k) != settings[k]
+        ]
+        raise QkvlabError(
+            f"{out_dir} already holds data prepared with other settings ({'; '.join(diff)}): "
+            "pass --force to overwrite it or choose another --out"
+        )
+    # Remove meta.json first: if we crash while rewriting, the dir reads as incomplete.
+    (out_dir / "meta.json").unlink(missing_ok=True)
+    return None
+
+
+def _finish(
+    out_dir: Path,
+    tok: Tokenizer,
+    meta: dict[str, Any],
+) -> dict[str, Any]:
+    """Save tokenizer files, drop stale ones, then write meta.json (last)."""
+    tok.save(out_dir)
+    for name in TOKENIZER_FILES:
+        if name not in tok.files:
+            (out_dir / name).unlink(missing_ok=True)
+    write_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    return meta
+
+
+def prepare(
+    source: str = "shakespeare",
+    tokenizer: str = "char",
+    out_dir: Path | str | None = None,
+    val_fraction: float | None = None,
+    num_proc: int = 1,
+    *,
+    overwrite: bool = False,
+    text_field: str = "text",
+    log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Tokenise `source` with `tokenizer` into out_dir/{train,val}.bin and meta.json.
+
+    val_fraction defaults to 0.1 (0.0005 for Hugging Face datasets). An existing dir prepared with
+    the same settings is reused; one with other settings needs overwrite=True. Returns the meta.
+    """
+    parse_spec(tokenizer)  # fail on a bad spec before reading anything
+    if num_proc < 1:
+        raise QkvlabError(f"--num-proc must be at least 1, got {num_proc}")
+    kind = source_kind(source)
+    if val_fraction is None:
+        val_fraction = HF_VAL_FRACTION if kind == "hf" else DEFAULT_VAL_FRACTION
+    _check_val_fraction(val_fraction)
+    out_dir = Path(out_dir) if out_dir is not None else default_data_dir(source, tokenizer)
+    say = log or (lambda _msg: None)
+    if kind == "hf":
+        return _prepare_hf(
+            source, tokenizer, out_dir, val_fraction, num_proc, overwrite, text_field, say
+        )
+
+    docs, digest = read_source(source, text_field=text_field)
+    settings = {
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+        "source_sha256": digest,
+        "val_fraction": val_fraction,
+        "split_seed": SPLIT_SEED,
+    }
+    old = _reuse_or_clear(out_dir, settings, overwrite)
+    if old is not None:
+        say(f"{out_dir} is already prepared with these settings; reusing it")
+        return old
+
+    tok = build_tokenizer(tokenizer, docs)
+    train, val, split_desc = _split_local(tok, docs, val_fraction)
+    if len(train) == 0 or len(val) == 0:
+        raise QkvlabError(
+            f"source {source} is too small to split ({len(train) + len(val)} tokens): "
+            "give more text or another --val-fraction"
+        )
+    dtype = token_dtype(tok.vocab_size)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_tokens(out_dir / "train.bin", [train], len(train), dtype)
+    write_tokens(out_dir / "val.bin", [val], len(val), dtype)
+    meta = _meta(settings, tok, dtype, len(train), len(val), split_desc, source, kind, len(docs))
+    return _finish(out_dir, tok, meta)
+
+
+def _meta(
+    settings: dict[str, Any],
+    tok: Tokenizer,
+    dtype: np.dtype,
+    n_train: int,
+    n_val: int,
+    split: str,
+    source: str,
+    kind: str,
+    n_docs: int,
+) -> dict[str, Any]:
+    return {
+        **settings,
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
+        "train_tokens": int(n_train),
+        "val_tokens": int(n_val),
+        "split": split,
+        "source": source,
+        "source_kind": kind,
+        "documents": int(n_docs),
+        "eot_token": tok.eot_token,
+        "tokenizer_files": list(tok.files),
+    }
+
+
+class _BatchEncoder:
+    """datasets.map function: text column -> ids (+ eot) and their count.
+
+    Picklable (it holds only the spec and a folder), so map(num_proc>1) can ship it to workers,
+    each of which rebuilds the tokenizer once from the saved files.
+    """
+
+    def __init__(self, spec: str, data_dir: Path, text_field: str) -> None:
+        self.spec, self.data_dir, self.text_field = spec, str(data_dir), text_field
+        self._tok: Tokenizer | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tok": None}
+
+    def __call__(self, batch: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if self._tok is None:
+            self._tok = load_tokenizer(Path(self.data_dir), {"tokenizer": self.spec})
+        tok = self._tok
+        ids = tok.encode_batch(batch[self.text_field])
+        if tok.eot_token is not None:
+            ids = [[*row, tok.eot_token] for row in ids]
+        return {"ids": ids, "len": [len(row) for row in ids]}
+
+
+def dataset_chunks(dataset: Any, max_shards: int = MAX_SHARDS) -> Iterator[np.ndarray]:
+    """Yield the concatenated "ids" of contiguous shards of a datasets-like object.
+
+    Needs only len(), .shard(num_shards=, index=, contiguous=True) and ["ids"] on a shard, so a
+    small stand-in can exercise it without the `datasets` library.
+    """
+    n_shards = max(1, min(max_shards, len(dataset)))
+    for index in range(n_shards):
+        shard = dataset.shard(num_shards=n_shards, index=index, contiguous=True)
+        if hasattr(shard, "with_format"):
+            shard = shard.with_format("numpy")
+        rows = shard["ids"]
+        if len(rows):
+            yield np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+
+
+def _hf_texts(dataset: Any, text_field: str) -> Iterator[str]:
+    for start in range(0, len(dataset), ENCODE_BATCH_DOCS):
+        yield from dataset[start : start + ENCODE_BATCH_DOCS][text_field]
+
+
+def _prepare_hf(
+    source: str,
+    tokenizer: str,
+    out_dir: Path,
+    val_fraction: float,
+    num_proc: int,
+    overwrite: bool,
+    text_field: str,
+    say: Callable[[str], None],
+) -> dict[str, Any]:
+    """The OpenWebText path: split, map-tokenise with num_proc workers, write shards to memmaps."""
+    dataset = load_hf_dataset(source, num_proc=num_proc)
+    if text_field not in dataset.column_names:
+        raise QkvlabError(
+            f"Hugging Face dataset {source} has no column {text_field!r} "
+            f"(it has {', '.join(dataset.column_names)}): choose the text column"
+        )
+    settings = {
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+        "source_sha256": hf_fingerprint(source, dataset),
+        "val_fraction": val_fraction,
+        "split_seed": SPLIT_SEED,
+    }
+    old = _reuse_or_clear(out_dir, settings, overwrite)
+    if old is not None:
+        say(f"{out_dir} is already prepared with these settings; reusing it")
+        return old
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # char / bpe:N are fitted on the whole corpus (as for local sources) before the split.
+    tok = build_tokenizer(tokenizer, _hf_texts(dataset, text_field))
+    tok.save(out_dir)  # map workers rebuild the tokenizer from these files
+
+    split = dataset.train_test_split(test_size=val_fraction, seed=SPLIT_SEED, shuffle=True)
+    parts = {"train": split["train"], "val": split["test"]}
+    dtype = token_dtype(tok.vocab_size)
+    encoder = _BatchEncoder(tokenizer, out_dir, text_field)
+    counts = {}
+    for name, part in parts.items():
+        tokenized = part.map(
+            encoder,
+            batched=True,
+            remove_columns=part.column_names,
+            num_proc=num_proc if num_proc > 1 else None,
+            desc=f"tokenizing {name}",
+        )
+        total = int(np.sum(tokenized["len"], dtype=np.int64))
+        if total == 0:
+            raise QkvlabError(
+                f"the {name} split of {source} has no tokens: use a bigger dataset or "
+                "--val-fraction"
+            )
+        counts[name] = write_tokens(
+            out_dir / f"{name}.bin", dataset_chunks(tokenized), total, dtype
+        )
+    desc = (
+        f"hf: train_test_split(test_size={val_fraction}, seed={SPLIT_SEED}, shuffle=True), "
+        f"'test' renamed 'val'{_eot_note(tok)}"
+    )
+    meta = _meta(
+        settings, tok, dtype, counts["train"], counts["val"], desc, source, "hf", len(dataset)
+    )
+    return _finish(out_dir, tok, meta)
+
+
+def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `qkvlab prepare` arguments that `prepare_command` reads."""
+    parser.add_argument(
+        "source",
+        nargs="?",
+        default="shakespeare",
+        help="shakespeare, a text file, a folder of .txt/.md, a .jsonl file, or hf:NAME",
+    )
+    parser.add_argument("--tokenizer", default="char", help="char, bytes, gpt2 or bpe:N")
+    parser.add_argument("--out", type=Path, default=None, help="output dir (default data/...)")
+    parser.add_argument(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help=f"share held out for validation (default {DEFAULT_VAL_FRACTION}; "
+        f"{HF_VAL_FRACTION} for Hugging Face datasets)",
+    )
+    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (hf only)")
+    parser.add_argument("--text-field", default="text", help="text field of .jsonl / hf rows")
+    parser.add_argument("--force", action="store_true", help="overwrite a dir with other settings")
+
+
+def prepare_command(args: argparse.Namespace) -> int:
+    """Run `qkvlab prepare` from parsed arguments and print a short summary; returns 0."""
+    source = getattr(args, "source", None) or "shakespeare"
+    tokenizer = getattr(args, "tokenizer", None) or "char"
+    out = getattr(args, "out", None)
+    out_dir = Path(out) if out is not None else default_data_dir(source, tokenizer)
+    meta = prepare(
+        source,
+        tokenizer,
+        out_dir,
+        val_fraction=getattr(args, "val_fraction", None),
+        num_proc=getattr(args, "num_proc", 1) or 1,
+        overwrite=bool(getattr(args, "force", False)),
+        text_field=getattr(args, "text_field", None) or "text",
+        log=print,
+    )
+    print(
+        f"prepared {source} with {meta['tokenizer']}: {meta['train_tokens']:,} train + "
+        f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) "
+        f"in {out_dir}"
+    )
+    return 0
