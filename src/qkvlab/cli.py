@@ -89,17 +89,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler="qkvlab.train.config:presets_command")
 
     p = sub.add_parser("bench", help="training and inference speed of the projection schemes")
-    p.add_argument("--shape", default="baby", help="baby (6x384, ctx 256) | paper (12x768, 1024)")
+    p.add_argument("--shape", default="baby",
+                   help="baby (6x384, ctx 256) | paper (12x768, ctx 1024) | tiny (tests)")
     p.add_argument("--schemes", default="baseline,q-identity",
                    help="comma-separated variants: baseline, q-identity, q-identity-wide, "
                         "nonlinear-q")
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="training batch (default: the shape's, larger on CUDA)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
     p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
-    p.add_argument("--dtype", default="bf16", help="bf16 | fp32")
-    p.add_argument("--compile", action="store_true", help="torch.compile the models")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme first")
+    p.add_argument("--dtype", default="bf16", help="bf16 (autocast) | fp32")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the training models (default: on for CUDA, off for CPU)")
     p.add_argument("--no-inference", action="store_true", help="skip prefill/decode timings")
+    p.add_argument("--infer-batch-size", type=int, default=1, help="sequences decoded at once")
+    p.add_argument("--contexts", default=None,
+                   help="comma-separated inference context lengths (default: the shape's)")
+    p.add_argument("--decode-tokens", type=int, default=None,
+                   help="decoding steps timed per context (default: the shape's)")
+    p.add_argument("--gen-tokens", type=int, default=None,
+                   help="new tokens for generate() with vs without the cache (0 skips; "
+                        "default 512, 40 for tiny)")
+    p.add_argument("--gen-repeats", type=int, default=1,
+                   help="repeats of the (slow, uncached) generate() comparison")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="MFU denominator in TFLOP/s (default: GPU datasheet, else measured)")
     p.add_argument("--json", default=None, help="also write results as JSON to this file")
+    _overrides(p)
     p.set_defaults(handler="qkvlab.bench.run:bench_command")
 
     p = sub.add_parser("verify", help="check the paper's theorems numerically (float64)")

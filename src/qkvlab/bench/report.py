@@ -1,0 +1,174 @@
+"""The benchmark's conclusions (ideal vs measured speed-up) and its rich tables.
+
+Ideal speed-up of a scheme over the reference = FLOPs/token(reference) / FLOPs/token(scheme):
+what a machine that runs every FLOP at the same rate would deliver. Measured = the median over
+repeats of the PAIRED ratio tokens/s(scheme) / tokens/s(reference), pairing the two runs that
+sat next to each other in the interleaved order, so slow drift of a shared machine cancels.
+Share realised = (measured - 1) / (ideal - 1): 1 means the FLOPs saved turned fully into speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qkvlab.bench.timing import Spread
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Speed-ups against the baseline (or the first scheme when baseline was not run)."""
+    schemes = results["schemes"]
+    names = list(schemes)
+    ref = "baseline" if "baseline" in schemes else names[0]
+    ref_fpt = schemes[ref]["flops_per_token"]
+    ref_tps = schemes[ref]["train"]["tokens_per_s"]
+    versus: dict[str, Any] = {}
+    for name in names:
+        if name == ref:
+            continue
+        tps = schemes[name]["train"]["tokens_per_s"]
+        ideal = ref_fpt / schemes[name]["flops_per_token"]
+        paired = Spread.of([a / b for a, b in zip(tps["values"], ref_tps["values"], strict=True)])
+        # the share is a ratio of small differences: meaningless when the ideal is ~1
+        # (q-identity-wide, nonlinear-q have the baseline's matmul FLOPs, give or take gains)
+        share = (paired.median - 1) / (ideal - 1) if abs(ideal - 1) > 0.005 else None
+        versus[name] = {
+            "ideal_speedup": ideal,
+            "measured_speedup": paired.median,
+            "measured_speedup_min": paired.low,
+            "measured_speedup_max": paired.high,
+            "ratio_of_medians": tps["median"] / ref_tps["median"],
+            "share_realised": share,
+        }
+    head = versus.get("q-identity") if ref == "baseline" else None
+    summary: dict[str, Any] = {
+        "reference": ref,
+        "versus_reference": versus,
+        # the headline numbers of the issue: q-identity against baseline
+        "ideal_speedup": head["ideal_speedup"] if head else None,
+        "measured_speedup": head["measured_speedup"] if head else None,
+        "share_realised": head["share_realised"] if head else None,
+        "baseline_mfu": schemes["baseline"]["train"]["mfu"] if "baseline" in schemes else None,
+        "peak_flops": results["peak"]["flops"],
+        "peak_source": results["peak"]["source"],
+    }
+    if all("inference" in schemes[n] for n in names):
+        summary["cache_speedup"] = {}
+        for name in names:
+            inf = schemes[name]["inference"]
+            longest = max(inf["contexts"], key=int)
+            entry = {"context": int(longest),
+                     "decode": inf["contexts"][longest]["cache_speedup"]}
+            if "generate" in inf:
+                entry["generate"] = inf["generate"]["cache_speedup"]
+                entry["generate_new_tokens"] = inf["generate"]["new_tokens"]
+            summary["cache_speedup"][name] = entry
+    return summary
+
+
+# ---- formatting ---------------------------------------------------------------------------
+
+def si(x: float | None, unit: str = "") -> str:
+    """1234567 -> '1.23M': tables stay narrow and the digits that matter stay visible."""
+    if x is None:
+        return "n/a"
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= factor:
+            return f"{x / factor:.3g}{prefix}{unit}"
+    return f"{x:.3g}{unit}"
+
+
+def seconds(t: float) -> str:
+    return f"{t:.2f} s" if t >= 10 else f"{1e3 * t:.1f} ms"
+
+
+def binary(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    for factor, prefix in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= factor:
+            return f"{n / factor:.1f} {prefix}"
+    return f"{n} B"
+
+
+def print_report(results: dict[str, Any], console: Console) -> None:
+    m, s, peak = results["machine"], results["settings"], results["peak"]
+    schemes, summary = results["schemes"], results["summary"]
+    console.print(
+        f"\n[bold]qkvlab bench[/bold] shape={s['shape']} "
+        f"({s['model']['n_layer']}x{s['model']['n_embd']}, ctx {s['seq_len']}, "
+        f"vocab {s['model']['vocab_size']}), {m['device_name']} ({m['device']}, "
+        f"{m['torch_threads']} threads), torch {m['torch']}, {s['dtype']}, "
+        f"compile={'on' if s['compile'] else 'off'}")
+    measured = (f", measured {si(peak['measured'], 'FLOP/s')}"
+                if peak["measured"] and peak["source"] != "measured" else "")
+    console.print(f"peak {si(peak['flops'], 'FLOP/s')} ({peak['source']}{measured}); "
+                  f"{s['repeats']} interleaved repeats x {s['steps']} steps, medians")
+
+    t = Table(title=f"Training step (batch {s['batch_size']} x {s['seq_len']}, fwd+bwd+AdamW)")
+    for col in ("scheme", "params", "FLOPs/token", "tokens/s", "range", "step", "MFU",
+                "peak mem"):
+        t.add_column(col, justify="left" if col == "scheme" else "right")
+    for name, d in schemes.items():
+        tr = d["train"]
+        tps = tr["tokens_per_s"]
+        spread = (tps["max"] - tps["min"]) / tps["median"]
+        t.add_row(name, si(d["params"]["total"]), si(d["flops_per_token"]), si(tps["median"]),
+                  f"±{50 * spread:.1f}%", seconds(tr["step_s"]["median"]),
+                  f"{100 * tr['mfu']:.1f}%", binary(tr["peak_memory_bytes"]))
+    console.print(t)
+    if s["device"].startswith("cpu"):
+        console.print(f"[dim]peak memory per scheme is n/a on CPU (no allocator counter); "
+                      f"process max RSS {binary(m['process_max_rss_bytes'])}")
+
+    if all("inference" in d for d in schemes.values()):
+        _print_inference(results, console)
+
+    t = Table(title=f"Speed-up over {summary['reference']} (training tokens/s)")
+    for col in ("scheme", "ideal (FLOPs)", "measured", "range", "ratio of medians",
+                "share realised"):
+        t.add_column(col, justify="left" if col == "scheme" else "right")
+    for name, v in summary["versus_reference"].items():
+        share = "n/a" if v["share_realised"] is None else f"{100 * v['share_realised']:.0f}%"
+        t.add_row(name, f"{v['ideal_speedup']:.3f}", f"{v['measured_speedup']:.3f}",
+                  f"{v['measured_speedup_min']:.3f}-{v['measured_speedup_max']:.3f}",
+                  f"{v['ratio_of_medians']:.3f}", share)
+    if summary["versus_reference"]:
+        console.print(t)
+    if summary["baseline_mfu"] is not None:
+        console.print(f"baseline MFU: {100 * summary['baseline_mfu']:.1f}% of "
+                      f"{si(summary['peak_flops'], 'FLOP/s')} ({summary['peak_source']})")
+
+
+def _print_inference(results: dict[str, Any], console: Console) -> None:
+    s, schemes = results["settings"], results["schemes"]
+    t = Table(title=f"Inference (batch {s['infer_batch_size']}, {s['dtype']} weights, eager; "
+                    f"decode = {s['decode_tokens']} steps ending at the context)")
+    for col in ("scheme", "KV/token", "context", "prefill tok/s", "decode tok/s",
+                "no-cache tok/s", "cache speed-up"):
+        t.add_column(col, justify="left" if col == "scheme" else "right")
+    for name, d in schemes.items():
+        inf = d["inference"]
+        for i, (ctx, c) in enumerate(inf["contexts"].items()):
+            t.add_row(name if i == 0 else "", binary(inf["kv_bytes_per_token"]) if i == 0 else "",
+                      ctx, si(c["prefill_tokens_per_s"]), si(c["decode_tokens_per_s"]),
+                      si(c["decode_no_cache_tokens_per_s"]), f"{c['cache_speedup']:.1f}x")
+        t.add_section()
+    console.print(t)
+
+    gens = {name: d["inference"]["generate"] for name, d in schemes.items()
+            if "generate" in d["inference"]}
+    if gens:
+        first = next(iter(gens.values()))
+        note = (" - past block_size the window slides and generate() recomputes it every step"
+                if first["sliding_window"] else "")
+        t = Table(title=f"generate(): {first['new_tokens']} new tokens from a 1-token prompt"
+                        f"{note}")
+        for col in ("scheme", "with cache tok/s", "no cache tok/s", "cache speed-up"):
+            t.add_column(col, justify="left" if col == "scheme" else "right")
+        for name, g in gens.items():
+            t.add_row(name, si(g["cached_tokens_per_s"]), si(g["no_cache_tokens_per_s"]),
+                      f"{g['cache_speedup']:.1f}x")
+        console.print(t)

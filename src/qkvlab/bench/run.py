@@ -1,0 +1,424 @@
+"""`qkvlab bench`: training and inference speed of the projection schemes, side by side.
+
+Method, in the order it runs:
+  1. peak matmul FLOP/s for the dtype (the MFU denominator, see peak.py);
+  2. training: every scheme's model, optimizer and batch are built up front (peak memory is
+     recorded here) and warmed up, then the timed repeats INTERLEAVE the schemes
+     (A B A B ...), so a slow minute on a shared machine hits all schemes alike; medians;
+  3. inference (unless --no-inference): prefill and decode with and without the KV cache at
+     several context lengths, interleaved the same way; then model.generate end to end;
+  4. the summary: ideal speed-up from FLOPs per token, measured speed-up from tokens/s, and the
+     share of the ideal that the hardware actually delivered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from qkvlab.bench import report
+from qkvlab.bench.peak import Peak, resolve_peak
+from qkvlab.bench.timing import Spread, max_rss_bytes, peak_memory
+from qkvlab.bench.workloads import InferenceBench, TrainBench
+from qkvlab.errors import QkvlabError
+from qkvlab.model import ModelConfig
+from qkvlab.model.params import count_params, flops_per_token
+from qkvlab.train.perf import mfu
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model size with the benchmark defaults that suit it."""
+
+    model: dict[str, Any]
+    batch_size: int  # training batch on CPU
+    batch_size_cuda: int  # a GPU needs more rows to be busy
+    contexts: tuple[int, ...]  # inference context lengths
+    decode_tokens: int  # decoding steps timed per context
+    gen_tokens: int  # new tokens for the end-to-end generate() comparison
+    peak_sizes: tuple[int, ...] | None = None  # matmul sizes for the measured peak (None: auto)
+
+
+SHAPES: dict[str, Shape] = {
+    # for tests: seconds end to end
+    "tiny": Shape(dict(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65),
+                  2, 2, (8, 16, 32), 4, 40, peak_sizes=(256,)),
+    # nanoGPT's shakespeare-char model; 64 rows is nanoGPT's batch there, 12 keeps CPU steps short
+    "baby": Shape(dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65),
+                  12, 64, (64, 128, 256), 16, 512),
+    # GPT-2 small as in PAPER.md section 5 (micro-batch 12 there)
+    "paper": Shape(dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+                   4, 12, (128, 512, 1024), 16, 512),
+}
+
+SCHEMES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide", "nonlinear-q")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def scheme_config(base: ModelConfig, scheme: str) -> ModelConfig:
+    """The model of one benchmark variant, built from the shape's (baseline) config.
+
+    q-identity-wide: W_Q = I and the parameters W_Q held move to the MLP. A hidden unit costs
+    2d weights (+1 bias), W_Q d*d (+d), so the MLP widens by d/2: 4d -> 4.5d, the paper's
+    3456 at d = 768, and the total parameter count equals the baseline's.
+    """
+    data = base.to_dict()
+    if scheme == "baseline":
+        data["projection"] = "baseline"
+    elif scheme in ("q-identity", "nonlinear-q"):
+        data["projection"] = scheme
+    elif scheme == "q-identity-wide":
+        d, b = base.n_embd, int(base.bias)
+        data["projection"] = "q-identity"
+        data["mlp_hidden"] = base.hidden + round((d * d + b * d) / (2 * d + b))
+    else:
+        raise QkvlabError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+    return ModelConfig(**data)
+
+
+@dataclass
+class Settings:
+    """Everything that decides what is measured; recorded verbatim in the JSON."""
+
+    shape: str
+    model: ModelConfig
+    schemes: list[str]
+    device: torch.device
+    dtype_name: str
+    compile: bool
+    batch_size: int
+    repeats: int
+    steps: int
+    warmup: int
+    inference: bool
+    infer_batch_size: int
+    contexts: tuple[int, ...]
+    decode_tokens: int
+    gen_tokens: int
+    gen_repeats: int
+    peak_flops: float | None
+    peak_sizes: tuple[int, ...] | None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype_name]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["model"] = self.model.to_dict()
+        out["device"] = str(self.device)
+        out["dtype"] = out.pop("dtype_name")
+        out["seq_len"] = self.model.block_size
+        return out
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`--set n_layer=4` (or model.n_layer=4) -> {"n_layer": 4}; values are TOML literals."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip().removeprefix("model.")
+        if not sep or not key:
+            raise QkvlabError(f"--set wants KEY=VALUE, got {item!r}")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()  # a bare word such as rmsnorm is meant as a string
+        out[key] = value
+    if "projection" in out:
+        raise QkvlabError("the projection is chosen by --schemes, not --set projection=...")
+    return out
+
+
+def _csv_ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise QkvlabError(f"{what} wants comma-separated integers, got {text!r}") from None
+    if not values or min(values) <= 0:
+        raise QkvlabError(f"{what} wants positive integers, got {text!r}")
+    return values
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """Defaults from the shape and the device, checked so that errors come before any work."""
+    if args.shape not in SHAPES:
+        raise QkvlabError(f"unknown shape {args.shape!r}; choose from {', '.join(SHAPES)}")
+    shape = SHAPES[args.shape]
+    overrides = parse_overrides(getattr(args, "overrides", []) or [])
+    model = ModelConfig.from_dict({**shape.model, **overrides}, where="bench --set")
+
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown or not schemes:
+        raise QkvlabError(f"unknown scheme(s) {', '.join(unknown) or '(none)'}; "
+                          f"choose from {', '.join(SCHEMES)}")
+    if len(set(schemes)) != len(schemes):
+        raise QkvlabError(f"--schemes lists a scheme twice: {args.schemes}")
+    for s in schemes:  # config errors (e.g. nonlinear-q with an odd width) now, not mid-run
+        scheme_config(model, s)
+
+    if args.dtype not in DTYPES:
+        raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    wanted = getattr(args, "device", None) or "auto"
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        raise QkvlabError("--device cuda, but torch sees no CUDA device")
+    device = torch.device(wanted)
+    compile_ = device.type == "cuda" if args.compile is None else bool(args.compile)
+
+    def given(name: str, default: Any) -> Any:  # None means "not given": 0 must stay 0
+        value = getattr(args, name, None)
+        return default if value is None else value
+
+    batch = given("batch_size", shape.batch_size_cuda if device.type == "cuda"
+                  else shape.batch_size)
+    # a --set block_size below the shape's contexts keeps the ones that fit
+    contexts = (_csv_ints(args.contexts, "--contexts") if given("contexts", None)
+                else tuple(c for c in shape.contexts if c <= model.block_size)
+                or (model.block_size,))
+    decode_tokens = given("decode_tokens", shape.decode_tokens)
+    gen_tokens = given("gen_tokens", shape.gen_tokens)
+    for name, value in (("--batch-size", batch), ("--repeats", args.repeats),
+                        ("--steps", args.steps), ("--infer-batch-size", args.infer_batch_size),
+                        ("--gen-repeats", args.gen_repeats), ("--decode-tokens", decode_tokens)):
+        if value <= 0:
+            raise QkvlabError(f"{name} must be positive, got {value}")
+    if args.warmup < 0 or gen_tokens < 0:
+        raise QkvlabError("--warmup and --gen-tokens must not be negative")
+    if max(contexts) > model.block_size:
+        raise QkvlabError(f"--contexts {max(contexts)} exceeds block_size {model.block_size}")
+    if decode_tokens >= min(contexts):
+        raise QkvlabError(f"--decode-tokens ({decode_tokens}) must be below the shortest "
+                          f"context ({min(contexts)}): decoding ends at each context length")
+    peak = getattr(args, "peak_tflops", None)
+    return Settings(
+        shape=args.shape, model=model, schemes=schemes, device=device, dtype_name=args.dtype,
+        compile=compile_, batch_size=batch, repeats=args.repeats, steps=args.steps,
+        warmup=args.warmup, inference=not args.no_inference,
+        infer_batch_size=args.infer_batch_size, contexts=contexts,
+        decode_tokens=decode_tokens, gen_tokens=gen_tokens, gen_repeats=args.gen_repeats,
+        peak_flops=peak * 1e12 if peak else None, peak_sizes=shape.peak_sizes,
+        overrides=overrides,
+    )
+
+
+def machine_info(s: Settings) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(s.device),
+        "device_name": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "dtype": s.dtype_name,
+        "compile": s.compile,
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    if s.device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(s.device)
+        info["cuda"] = torch.version.cuda
+        info["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
+    return info
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _free(device: torch.device) -> None:
+    """Drop the previous section's tensors before the next one, so it starts on clean memory."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_training(s: Settings, configs: dict[str, ModelConfig], peak: Peak,
+                   console: Console) -> dict[str, dict[str, Any]]:
+    benches: dict[str, TrainBench] = {}
+    memory: dict[str, int | None] = {}
+    for name, cfg in configs.items():
+        console.print(f"[dim]train: building {name}"
+                      f"{' and compiling' if s.compile else ''} ({s.warmup} warm-up steps)")
+        # built inside the block: on CUDA its weights, grads, optimizer state and activations
+        # all count towards its peak, and the other schemes' resident tensors do not
+        with peak_memory(s.device) as mem:
+            bench = TrainBench(cfg, s.batch_size, s.device, s.dtype, s.compile)
+            for _ in range(max(s.warmup, 1 if s.compile else 0)):
+                bench.step()
+        benches[name], memory[name] = bench, mem["peak_bytes"]
+
+    step_s: dict[str, list[float]] = {name: [] for name in configs}
+    for r in range(s.repeats):
+        for name, bench in benches.items():  # interleaved: A B A B ...
+            step_s[name].append(bench.time_steps(s.steps))
+        console.print(f"[dim]train repeat {r + 1}/{s.repeats}: " + ", ".join(
+            f"{n} {benches[n].tokens_per_step / step_s[n][-1]:,.0f} tok/s" for n in benches))
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, bench in benches.items():
+        tps = Spread.of([bench.tokens_per_step / t for t in step_s[name]])
+        fpt = flops_per_token(configs[name], configs[name].block_size)
+        out[name] = {
+            "tokens_per_step": bench.tokens_per_step,
+            "step_s": Spread.of(step_s[name]).as_dict(),
+            "tokens_per_s": tps.as_dict(),
+            "flops_per_token": fpt,
+            "achieved_flops": fpt * tps.median,
+            "mfu": mfu(fpt, tps.median, peak.flops),
+            "peak_memory_bytes": memory[name],
+        }
+    benches.clear()
+    _free(s.device)
+    return out
+
+
+def bench_inference(s: Settings, configs: dict[str, ModelConfig],
+                    console: Console) -> dict[str, dict[str, Any]]:
+    B, n = s.infer_batch_size, s.decode_tokens
+    benches = {name: InferenceBench(cfg, B, s.device, s.dtype) for name, cfg in configs.items()}
+    # Warm-up runs every timed workload once: CPU backends (oneDNN) build a kernel per new
+    # matrix shape (~0.5 ms per linear here), and decoding at a new length is a new shape; a
+    # first-seen shape would bill that one-time cost to whichever repeat met it first.
+    console.print(f"[dim]inference: warming up {len(benches)} models at contexts "
+                  f"{', '.join(map(str, s.contexts))}")
+    for bench in benches.values():
+        for c in s.contexts:
+            bench.prefill(c)
+            bench.decode_cached(c, n)
+            bench.decode_recompute(c, n)
+
+    times: dict[str, dict[str, dict[int, list[float]]]] = {
+        name: {kind: {c: [] for c in s.contexts} for kind in ("prefill", "cached", "recompute")}
+        for name in configs}
+    for r in range(s.repeats):
+        for name, bench in benches.items():
+            for c in s.contexts:
+                times[name]["prefill"][c].append(bench.prefill(c))
+                times[name]["cached"][c].append(bench.decode_cached(c, n))
+                times[name]["recompute"][c].append(bench.decode_recompute(c, n))
+        c = max(s.contexts)
+        console.print(f"[dim]inference repeat {r + 1}/{s.repeats}: decode @{c} " + ", ".join(
+            f"{name} {B / times[name]['cached'][c][-1]:,.0f} tok/s" for name in benches))
+
+    gen: dict[str, dict[str, list[float]]] = {name: {"cached": [], "recompute": []}
+                                              for name in configs}
+    if s.gen_tokens:
+        console.print(f"[dim]generate: one untimed run per scheme and mode first "
+                      f"({s.gen_tokens} tokens, the uncached one is slow)")
+        for bench in benches.values():  # same reason as above: first-seen shapes cost extra
+            bench.generate(s.gen_tokens, use_cache=True)
+            bench.generate(s.gen_tokens, use_cache=False)
+        for r in range(s.gen_repeats):
+            for name, bench in benches.items():
+                gen[name]["cached"].append(bench.generate(s.gen_tokens, use_cache=True))
+                gen[name]["recompute"].append(bench.generate(s.gen_tokens, use_cache=False))
+            ratios = {name: g["recompute"][-1] / g["cached"][-1] for name, g in gen.items()}
+            console.print(f"[dim]generate repeat {r + 1}/{s.gen_repeats}: {s.gen_tokens} tokens, "
+                          + ", ".join(f"{name} cache x{x:.1f}" for name, x in ratios.items()))
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, bench in benches.items():
+        t = times[name]
+        per_ctx: dict[str, Any] = {}
+        for c in s.contexts:
+            cached, recompute = Spread.of(t["cached"][c]), Spread.of(t["recompute"][c])
+            per_ctx[str(c)] = {
+                "prefill_tokens_per_s": B * c / Spread.of(t["prefill"][c]).median,
+                "decode_tokens_per_s": B / cached.median,
+                "decode_no_cache_tokens_per_s": B / recompute.median,
+                "cache_speedup": recompute.median / cached.median,
+                "decode_step_s": cached.as_dict(),
+                "decode_no_cache_step_s": recompute.as_dict(),
+            }
+        entry: dict[str, Any] = {
+            "batch_size": B,
+            "kv_bytes_per_token": bench.kv_bytes_per_token,
+            "contexts": per_ctx,
+        }
+        if s.gen_tokens:
+            cached, recompute = Spread.of(gen[name]["cached"]), Spread.of(gen[name]["recompute"])
+            entry["generate"] = {
+                "new_tokens": s.gen_tokens,
+                "prompt_tokens": 1,
+                "sliding_window": 1 + s.gen_tokens > configs[name].block_size,
+                "cached_s": cached.as_dict(),
+                "no_cache_s": recompute.as_dict(),
+                "cached_tokens_per_s": B * s.gen_tokens / cached.median,
+                "no_cache_tokens_per_s": B * s.gen_tokens / recompute.median,
+                "cache_speedup": recompute.median / cached.median,
+            }
+        out[name] = entry
+    benches.clear()
+    _free(s.device)
+    return out
+
+
+def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
+    """Run every section and return the results as plain data (what --json writes)."""
+    console = console or Console()
+    configs = {name: scheme_config(s.model, name) for name in s.schemes}
+    console.print(f"[dim]peak: {'given' if s.peak_flops else 'measuring'} {s.dtype_name} "
+                  f"matmul FLOP/s on {s.device}")
+    peak = resolve_peak(s.device, s.dtype_name, given=s.peak_flops, sizes=s.peak_sizes)
+    results: dict[str, Any] = {
+        "settings": s.as_dict(),
+        "peak": peak.as_dict(),
+        "schemes": {name: {"config": cfg.to_dict(), "params": count_params(cfg).as_dict(),
+                           "flops_per_token": flops_per_token(cfg, cfg.block_size)}
+                    for name, cfg in configs.items()},
+    }
+    for name, data in bench_training(s, configs, peak, console).items():
+        results["schemes"][name]["train"] = data
+    if s.inference:
+        for name, data in bench_inference(s, configs, console).items():
+            results["schemes"][name]["inference"] = data
+    results["summary"] = report.summarise(results)
+    results["machine"] = machine_info(s) | {"process_max_rss_bytes": max_rss_bytes()}
+    return results
+
+
+def bench_command(args: argparse.Namespace) -> int:
+    settings = resolve_settings(args)
+    console = Console()
+    if not console.is_terminal:  # a log file or pipe: don't squeeze the tables to 80 columns
+        console = Console(width=max(console.width, 120))
+    results = run_bench(settings, console)
+    report.print_report(results, console)
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
+        console.print(f"wrote {path}")
+    return 0
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, torch.device | torch.dtype):
+        return str(obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, tuple | set):
+        return list(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

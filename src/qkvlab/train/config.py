@@ -1,0 +1,335 @@
+"""Run configuration: typed sections, TOML presets, `--set` overrides, exact round trips.
+
+A run is described by one TOML file with the sections [run], [model], [data], [optim] and
+[train]. `load_config` reads it with tomllib (never executes anything), applies `--set
+section.key=value` overrides, and validates every key and type; `save_config` writes the
+resolved config back so that `load_config(save_config(cfg))` gives `cfg` again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from qkvlab.errors import QkvlabError
+from qkvlab.model.config import ModelConfig, coerce
+
+DTYPES: tuple[str, ...] = ("bf16", "fp32")
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+SECTIONS: tuple[str, ...] = ("run", "model", "data", "optim", "train")
+# The embedded default corpus: the only source that training prepares on its own.
+EMBEDDED_SOURCE = "shakespeare"
+
+
+def _need(ok: bool, where: str, msg: str) -> None:
+    if not ok:
+        raise QkvlabError(f"invalid config: {where} {msg}")
+
+
+def _from_dict(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types."""
+    if not isinstance(data, dict):
+        raise QkvlabError(f"[{where}] must be a table of key = value pairs, got {data!r}")
+    valid = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise QkvlabError(
+            f"unknown key(s) {', '.join(unknown)} in [{where}]; valid keys: {', '.join(valid)}"
+        )
+    kwargs = {key: coerce(value, valid[key].type, f"{where}.{key}") for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _to_dict(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+@dataclass
+class DataConfig:
+    """Where the prepared tokens live and how to make them if they are missing."""
+
+    dir: str = "data/shakespeare-char"
+    source: str = EMBEDDED_SOURCE
+    tokenizer: str = "char"
+    # Only the embedded corpus is prepared automatically: anything else may be a big download.
+    prepare_if_missing: bool = True
+
+    def __post_init__(self) -> None:
+        _need(bool(self.dir), "data.dir", "must not be empty")
+        _need(bool(self.source), "data.source", "must not be empty")
+        _need(bool(self.tokenizer), "data.tokenizer", "must not be empty")
+
+    def prepare_hint(self) -> str:
+        """The `qkvlab prepare` command line that creates this data dir."""
+        return f"qkvlab prepare {self.source} --tokenizer {self.tokenizer} --out {self.dir}"
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule (linear warmup, cosine to min_lr)."""
+
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_steps: int = 100
+    # Cosine horizon; None means train.max_steps. May exceed max_steps (the paper: 600k vs 105k).
+    decay_steps: int | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
+
+    def __post_init__(self) -> None:
+        _need(math.isfinite(self.lr) and self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
+        _need(0 <= self.min_lr <= self.lr, "optim.min_lr",
+              f"must be in [0, lr={self.lr}], got {self.min_lr}")
+        _need(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got "
+              f"{self.warmup_steps}")
+        _need(self.decay_steps is None or self.decay_steps > self.warmup_steps, "optim.decay_steps",
+              f"must exceed warmup_steps={self.warmup_steps} or be unset, got {self.decay_steps}")
+        _need(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got "
+              f"{self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            _need(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value}")
+        _need(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
+        _need(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainConfig:
+    """Loop length, batch shape, evaluation, logging, checkpoints, numerics and device."""
+
+    max_steps: int = 5000
+    batch_size: int = 64  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    eval_interval: int = 250  # also evaluates at step 0 and at the end
+    eval_windows: int = 256  # fixed val windows of block_size tokens, the same for every run
+    eval_batch_size: int | None = None  # None means batch_size
+    log_interval: int = 10
+    ckpt_interval: int = 1000  # also checkpoints at the end and on SIGINT/SIGTERM
+    keep_last: int = 2  # ckpt-* folders kept, besides best/
+    seed: int = 1337
+    dtype: str = "bf16"
+    compile: bool | None = None  # None: on for CUDA, off for CPU
+    device: str = "auto"
+    max_nonfinite: int = 5  # consecutive non-finite steps before giving up
+    peak_flops: float | None = None  # for MFU; None: known GPU table, else measured once
+    tensorboard: bool = True  # write tb/ events when tensorboard is installed
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_windows",
+                     "log_interval", "ckpt_interval", "keep_last", "max_nonfinite"):
+            value = getattr(self, name)
+            _need(value >= 1, f"train.{name}", f"must be >= 1, got {value}")
+        _need(self.eval_batch_size is None or self.eval_batch_size >= 1, "train.eval_batch_size",
+              f"must be >= 1 or unset, got {self.eval_batch_size}")
+        _need(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
+        _need(self.dtype in DTYPES, "train.dtype",
+              f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _need(self.device in DEVICES, "train.device",
+              f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        _need(self.peak_flops is None or self.peak_flops > 0, "train.peak_flops",
+              f"must be > 0 or unset, got {self.peak_flops}")
+
+
+@dataclass
+class RunConfig:
+    """A whole run: model shape, data, optimizer and loop, plus where the run folder is."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = "run"
+    out_dir: str | None = None  # None means runs/<name>
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
+
+    @property
+    def decay_steps(self) -> int:
+        """The cosine horizon actually used."""
+        return self.optim.decay_steps or self.train.max_steps
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.train
+        return t.batch_size * t.grad_accum * self.model.block_size
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain data, the TOML layout (None values kept; `save_config` drops them)."""
+        return {
+            "run": {"name": self.name, "out_dir": self.out_dir},
+            "model": self.model.to_dict(),
+            "data": _to_dict(self.data),
+            "optim": _to_dict(self.optim),
+            "train": _to_dict(self.train),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunConfig:
+        """Build from the TOML layout; missing sections and keys take their defaults."""
+        unknown = sorted(set(data) - set(SECTIONS))
+        if unknown:
+            raise QkvlabError(
+                f"unknown section(s) {', '.join(unknown)}; valid sections: {', '.join(SECTIONS)}"
+            )
+        run = data.get("run", {})
+        if not isinstance(run, dict):
+            raise QkvlabError(f"[run] must be a table of key = value pairs, got {run!r}")
+        run_keys = ("name", "out_dir")
+        bad = sorted(set(run) - set(run_keys))
+        if bad:
+            raise QkvlabError(
+                f"unknown key(s) {', '.join(bad)} in [run]; valid keys: {', '.join(run_keys)}"
+            )
+        name = coerce(run.get("name", "run"), "str", "run.name")
+        out_dir = coerce(run.get("out_dir"), "str | None", "run.out_dir")
+        _need(bool(name.strip()), "run.name", "must not be empty")
+        model = data.get("model", {})
+        if not isinstance(model, dict):
+            raise QkvlabError(f"[model] must be a table of key = value pairs, got {model!r}")
+        return cls(
+            model=ModelConfig.from_dict(model, where="model"),
+            data=_from_dict(DataConfig, data.get("data", {}), "data"),
+            optim=_from_dict(OptimConfig, data.get("optim", {}), "optim"),
+            train=_from_dict(TrainConfig, data.get("train", {}), "train"),
+            name=name,
+            out_dir=out_dir or None,
+        )
+
+
+# ---- presets ------------------------------------------------------------------------------
+def preset_names() -> list[str]:
+    """Names of the TOML presets shipped in qkvlab/configs/."""
+    root = resources.files("qkvlab") / "configs"
+    return sorted(p.name.removesuffix(".toml") for p in root.iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def preset_text(name: str) -> str:
+    """The TOML text of a shipped preset."""
+    path = resources.files("qkvlab") / "configs" / f"{name.removesuffix('.toml')}.toml"
+    return path.read_text(encoding="utf-8")
+
+
+def _preset_summary(name: str) -> str:
+    """The first comment line of a preset, used as its description."""
+    for line in preset_text(name).splitlines():
+        if line.startswith("#"):
+            return line.lstrip("# ").strip()
+    return ""
+
+
+def presets_command(args: argparse.Namespace) -> int:
+    """`qkvlab presets`: list the shipped presets with a one-line description each."""
+    names = preset_names()
+    width = max(len(n) for n in names)
+    for name in names:
+        print(f"{name:<{width}}  {_preset_summary(name)}")
+    return 0
+
+
+# ---- loading, overrides, saving -----------------------------------------------------------
+def _read_toml(text: str, origin: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise QkvlabError(f"{origin} is not valid TOML ({exc}): fix the file") from None
+
+
+def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]:
+    """The raw TOML dict of a config file, a run folder (its config.toml) or a preset name."""
+    path = Path(path_or_preset).expanduser()
+    if path.is_dir() and (path / "config.toml").is_file():
+        path = path / "config.toml"
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise QkvlabError(f"cannot read config {path} ({exc}): check the path") from None
+        return _read_toml(text, f"config {path}"), str(path)
+    name = str(path_or_preset).removesuffix(".toml")
+    if name in preset_names():
+        return _read_toml(preset_text(name), f"preset {name}"), f"preset {name}"
+    raise QkvlabError(
+        f"config {path_or_preset} is neither a file nor a preset: give a TOML file, a run folder, "
+        f"or one of the presets {', '.join(preset_names())}"
+    )
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """Split 'section.key=value' into (section, key, value); value is a TOML literal or a string."""
+    target, sep, raw = item.partition("=")
+    section, dot, key = target.strip().partition(".")
+    if not sep or not dot or not section or not key or "." in key:
+        raise QkvlabError(
+            f"override {item!r} is not section.key=value: write e.g. --set optim.lr=1e-3"
+        )
+    raw = raw.strip()
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word such as q-identity or a path: take it as a string
+    return section, key, value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `--set` overrides to a raw config dict (a copy); validation happens later."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides:
+        section, key, value = parse_override(item)
+        if section not in SECTIONS:
+            raise QkvlabError(
+                f"unknown section {section!r} in --set {item}; valid sections: "
+                f"{', '.join(SECTIONS)}"
+            )
+        table = out.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise QkvlabError(f"[{section}] in the config is not a table: fix the config file")
+        if not isinstance(value, str) and _field_type(section, key).startswith("str"):
+            # a text field given something TOML reads as a number or date (run.name=2024)
+            value = item.partition("=")[2].strip()
+        table[key] = value
+    return out
+
+
+def _field_type(section: str, key: str) -> str:
+    """The annotation string of section.key ("" when the key is unknown)."""
+    if section == "run":
+        return {"name": "str", "out_dir": "str | None"}.get(key, "")
+    cls = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
+           "train": TrainConfig}[section]
+    return next((str(f.type) for f in fields(cls) if f.name == key), "")
+
+
+def load_config(path_or_preset: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a TOML config (file, run folder or preset name) and apply `--set` overrides."""
+    data, _origin = read_config_source(path_or_preset)
+    return RunConfig.from_dict(apply_overrides(data, list(overrides or [])))
+
+
+def _drop_none(table: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in table.items() if v is not None}
+
+
+def config_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML text (None values omitted: absent means None)."""
+    import tomli_w
+
+    data = {section: _drop_none(table) for section, table in cfg.to_dict().items()}
+    return tomli_w.dumps(data)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> Path:
+    """Write the resolved config as TOML, atomically; `load_config(path)` gives `cfg` back."""
+    from qkvlab.train.fsutil import write_text_atomic
+
+    return write_text_atomic(Path(path), config_toml(cfg))

@@ -1,0 +1,95 @@
+"""Throughput helpers: matmul peak measurement, known GPU peaks, model FLOPs utilisation.
+
+MFU = flops_per_token * tokens_per_second / peak_flops. On a GPU the peak comes from the
+datasheet table below (dense, no sparsity); on a CPU there is no datasheet worth trusting, so
+the peak is the best large-matmul rate measured on this machine.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+# (substring of torch.cuda.get_device_name(), bf16 dense peak, fp32 peak without tensor cores)
+# Order matters: the first match wins, so more specific names come first.
+GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("B200", 2250e12, 80e12),
+    ("H200", 989e12, 67e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),
+    ("H800", 989e12, 67e12),
+    ("A100", 312e12, 19.5e12),
+    ("A800", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L40", 181e12, 90.5e12),
+    ("L4", 121e12, 30.3e12),
+    ("A10", 125e12, 31.2e12),
+    ("RTX 4090", 165e12, 82.6e12),
+    ("RTX 3090", 71e12, 35.6e12),
+)
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """torch dtype of a config dtype name ("bf16" or "fp32")."""
+    return torch.bfloat16 if dtype == "bf16" else torch.float32
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _measure(dtype: str, device: str, size: int, repeats: int) -> float:
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)  # leaves the global RNG alone
+    a = torch.randn(size, size, device=dev, generator=gen).to(torch_dtype(dtype))
+    b = torch.randn(size, size, device=dev, generator=gen).to(torch_dtype(dtype))
+    a @ b  # warm-up: first calls pay for kernel selection and page faults
+    _sync(dev)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * size**3 / statistics.median(times)
+
+
+def measure_matmul_peak(
+    dtype: str = "bf16", device: str | torch.device = "cpu", size: int = 2048, repeats: int = 5
+) -> float:
+    """FLOP/s of a size x size matmul in `dtype` ("bf16"/"fp32"), median of `repeats` runs.
+
+    Cached per process: the first call costs about a second on a small CPU.
+    """
+    return _measure(dtype, str(torch.device(device)), int(size), int(repeats))
+
+
+def known_gpu_peak(name: str, dtype: str) -> float | None:
+    """Datasheet peak FLOP/s of a GPU (by name substring), or None when it is not in the table."""
+    for key, bf16, fp32 in GPU_PEAKS:
+        if key in name:
+            return bf16 if dtype == "bf16" else fp32
+    return None
+
+
+def peak_flops_for(device: torch.device, dtype: str, configured: float | None = None
+                   ) -> tuple[float, str]:
+    """(peak FLOP/s, where it came from) for MFU: the config, the GPU table, or a measurement."""
+    if configured is not None:
+        return float(configured), "config"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak = known_gpu_peak(name, dtype)
+        if peak is not None:
+            return peak, f"datasheet ({name})"
+    return measure_matmul_peak(dtype, device), "measured matmul"
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation, a fraction of the peak."""
+    return flops_per_token * tokens_per_s / peak_flops if peak_flops > 0 else 0.0

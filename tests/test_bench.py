@@ -1,0 +1,227 @@
+"""`qkvlab bench`: the command end to end on a tiny shape, the scheme configs, the summary
+arithmetic, the peak table and compile-friendliness. Nothing here asserts on a timing."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from qkvlab.bench import report
+from qkvlab.bench.peak import resolve_peak
+from qkvlab.bench.run import SCHEMES, SHAPES, scheme_config
+from qkvlab.bench.timing import Spread
+from qkvlab.bench.workloads import TrainBench
+from qkvlab.cli import main
+from qkvlab.model import GPT, PROJECTIONS, ModelConfig
+from qkvlab.model.params import count_params, flops_per_token
+
+FAST = ["--shape", "tiny", "--repeats", "1", "--steps", "1", "--warmup", "1", "--device", "cpu",
+        "--peak-tflops", "1"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: the tiny models' ops are microseconds long, and with two threads a
+    busy neighbour stalls every op at the thread barrier (seconds become minutes)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_json(tmp_path, *extra: str) -> dict:
+    out = tmp_path / "bench.json"
+    assert main(["bench", *FAST, "--json", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_end_to_end_all_schemes(tmp_path):
+    data = run_json(tmp_path, "--schemes", ",".join(SCHEMES), "--gen-tokens", "40")
+    assert set(data) == {"machine", "settings", "peak", "schemes", "summary"}
+    assert list(data["schemes"]) == list(SCHEMES)
+    for key in ("torch", "device", "device_name", "cpu_count", "dtype", "compile"):
+        assert key in data["machine"]
+    assert data["machine"]["compile"] is False  # off by default on CPU
+    assert data["peak"] == {"flops": 1e12, "source": "given",
+                            "measured": data["peak"]["measured"], "spec": None}
+    assert data["peak"]["measured"] > 0
+
+    cfg = ModelConfig(**SHAPES["tiny"].model)
+    for d in data["schemes"].values():
+        train = d["train"]
+        assert train["tokens_per_s"]["median"] > 0 and len(train["tokens_per_s"]["values"]) == 1
+        assert train["tokens_per_step"] == 2 * cfg.block_size
+        assert train["mfu"] > 0 and train["flops_per_token"] == d["flops_per_token"] > 0
+        assert train["peak_memory_bytes"] is None  # honest n/a on CPU
+        inf = d["inference"]
+        # K and V, every layer, bf16 weights: 2 * L * Hkv * dk * 2 bytes
+        assert inf["kv_bytes_per_token"] == 2 * cfg.n_layer * cfg.kv_heads * cfg.d_head * 2
+        assert list(inf["contexts"]) == ["8", "16", "32"]
+        for c in inf["contexts"].values():
+            for key in ("prefill_tokens_per_s", "decode_tokens_per_s",
+                        "decode_no_cache_tokens_per_s", "cache_speedup"):
+                assert c[key] > 0 and math.isfinite(c[key])
+        gen = inf["generate"]
+        assert gen["new_tokens"] == 40 and gen["sliding_window"] is True  # 41 > block 32
+        assert gen["cached_tokens_per_s"] > 0 and gen["no_cache_tokens_per_s"] > 0
+
+    # q-identity-wide keeps the baseline's parameter count and FLOPs
+    schemes = data["schemes"]
+    assert schemes["q-identity-wide"]["params"]["total"] == schemes["baseline"]["params"]["total"]
+    assert schemes["q-identity-wide"]["config"]["mlp_hidden"] == 4 * 32 + 16
+
+    s = data["summary"]
+    base, qid = (ModelConfig(**schemes[n]["config"]) for n in ("baseline", "q-identity"))
+    ideal = flops_per_token(base, base.block_size) / flops_per_token(qid, qid.block_size)
+    assert s["ideal_speedup"] == pytest.approx(ideal, rel=1e-12)
+    assert s["reference"] == "baseline"
+    assert s["baseline_mfu"] == schemes["baseline"]["train"]["mfu"]
+    v = s["versus_reference"]["q-identity"]
+    assert s["measured_speedup"] == v["measured_speedup"] > 0
+    assert s["share_realised"] == pytest.approx((v["measured_speedup"] - 1) / (ideal - 1))
+    assert s["versus_reference"]["q-identity-wide"]["share_realised"] is None  # ideal == 1
+    assert set(s["cache_speedup"]) == set(SCHEMES)
+
+
+def test_overrides_fp32_no_inference(tmp_path):
+    data = run_json(tmp_path, "--dtype", "fp32", "--no-inference", "--set", "n_layer=1",
+                    "--set", "model.norm=rmsnorm", "--schemes", "q-identity,nonlinear-q")
+    assert data["settings"]["model"]["n_layer"] == 1
+    assert data["schemes"]["q-identity"]["config"]["norm"] == "rmsnorm"
+    assert data["machine"]["dtype"] == "fp32"
+    assert all("inference" not in d for d in data["schemes"].values())
+    # no baseline: compared with the first scheme, no headline q-identity numbers
+    assert data["summary"]["reference"] == "q-identity"
+    assert data["summary"]["ideal_speedup"] is None and data["summary"]["baseline_mfu"] is None
+    assert "cache_speedup" not in data["summary"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--schemes", "baseline,w-identity"],
+    ["--schemes", "baseline,baseline"],
+    ["--shape", "huge"],
+    ["--dtype", "fp8"],
+    ["--contexts", "8,64"],  # beyond block_size 32
+    ["--decode-tokens", "8"],  # not below the shortest context
+    ["--set", "projection=k-identity"],
+    ["--set", "n_embd=33"],  # nonlinear-q and q-identity need n_head * dk == n_embd
+    ["--repeats", "0"],
+    ["--batch-size", "0"],
+    ["--decode-tokens", "0"],
+])
+def test_bad_arguments_are_user_errors(extra, capsys):
+    assert main(["bench", *FAST, *extra]) == 2
+    assert "qkvlab bench: error:" in capsys.readouterr().err
+
+
+def test_repeats_interleave_schemes(monkeypatch, tmp_path):
+    """A B A B ...: every repeat visits each scheme once, in order, and equal times give a
+    measured speed-up of exactly 1 (so a share realised of exactly 0)."""
+    order: list[str] = []
+
+    def fake_time_steps(self, steps):
+        order.append(self.cfg.projection)
+        return 0.5
+
+    monkeypatch.setattr(TrainBench, "time_steps", fake_time_steps)
+    data = run_json(tmp_path, "--repeats", "3", "--no-inference")
+    assert order == ["baseline", "q-identity"] * 3
+    s = data["summary"]
+    assert s["measured_speedup"] == 1.0 and s["share_realised"] == 0.0
+    tps = data["schemes"]["baseline"]["train"]["tokens_per_s"]
+    assert tps["values"] == [2 * 32 / 0.5] * 3
+
+
+def test_scheme_configs_at_paper_shape():
+    base = ModelConfig(**SHAPES["paper"].model)
+    configs = {s: scheme_config(base, s) for s in SCHEMES}
+    assert configs["baseline"].projection == "baseline"
+    assert configs["q-identity"].scale == pytest.approx(configs["baseline"].scale / 2)
+    wide = configs["q-identity-wide"]
+    assert wide.projection == "q-identity" and wide.hidden == 3456  # 4.5 d, PAPER.md section 5
+    assert count_params(wide).total == count_params(base).total == 124_373_760
+    assert count_params(configs["q-identity"]).total == 117_295_872
+
+
+@pytest.mark.parametrize(("shape", "low", "high"), [("baby", 1.07, 1.09), ("paper", 1.04, 1.06)])
+def test_ideal_speedup_of_the_shapes(shape, low, high):
+    base = ModelConfig(**SHAPES[shape].model)
+    qid = scheme_config(base, "q-identity")
+    ideal = flops_per_token(base, base.block_size) / flops_per_token(qid, qid.block_size)
+    assert low < ideal < high
+
+
+def _fake_results(fpt: dict[str, float], tps: dict[str, list[float]]) -> dict:
+    return {
+        "peak": {"flops": 1e12, "source": "given"},
+        "schemes": {name: {"flops_per_token": fpt[name],
+                           "train": {"tokens_per_s": Spread.of(tps[name]).as_dict(), "mfu": 0.5}}
+                    for name in fpt},
+    }
+
+
+def test_summary_uses_paired_ratios():
+    # repeat 2 is slow for both (a noisy neighbour): pairing cancels it, medians would not
+    results = _fake_results({"baseline": 110.0, "q-identity": 100.0},
+                            {"baseline": [100.0, 50.0, 100.0], "q-identity": [105.0, 52.5, 105.0]})
+    s = report.summarise(results)
+    assert s["ideal_speedup"] == pytest.approx(1.1)
+    assert s["measured_speedup"] == pytest.approx(1.05)
+    assert s["share_realised"] == pytest.approx(0.5)
+    v = s["versus_reference"]["q-identity"]
+    assert v["measured_speedup_min"] == pytest.approx(1.05)
+    assert v["measured_speedup_max"] == pytest.approx(1.05)
+
+
+def test_spread():
+    s = Spread.of([3.0, 1.0, 2.0])
+    assert (s.median, s.low, s.high, s.values) == (2.0, 1.0, 3.0, (3.0, 1.0, 2.0))
+    assert s.rel_range == 1.0
+    with pytest.raises(ValueError):
+        Spread.of([])
+
+
+def test_peak_resolution():
+    cuda = torch.device("cuda")  # constructing a device needs no GPU; nothing runs on it
+    peak = resolve_peak(cuda, "bf16", measure=False, device_name="NVIDIA H100 80GB HBM3")
+    assert peak.flops == peak.spec > 1e14 and peak.source.startswith("spec: ")
+    assert peak.measured is None
+    peak = resolve_peak(cuda, "bf16", given=123e12, measure=False, device_name="NVIDIA H100")
+    assert (peak.flops, peak.source, peak.spec) == (123e12, "given", peak.spec)
+    with pytest.raises(ValueError):  # an unknown GPU needs a measurement
+        resolve_peak(cuda, "bf16", measure=False, device_name="Some Future GPU")
+    peak = resolve_peak(torch.device("cpu"), "fp32", sizes=(64, 128))
+    assert peak.source == "measured" and peak.flops == peak.measured > 0 and peak.spec is None
+    assert math.isfinite(peak.flops)
+
+
+@pytest.mark.parametrize("projection", PROJECTIONS)
+def test_every_scheme_traces_as_one_graph(projection):
+    """fullgraph=True raises on any graph break: the projection switch must not cause one,
+    neither in training (forward + backward) nor in a cached decoding step. The eager backend
+    traces with dynamo but skips code generation, so this takes seconds, not minutes."""
+    torch._dynamo.reset()
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50,
+                      projection=projection)
+    model = GPT(cfg)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    idx = torch.randint(0, 50, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = compiled(idx, idx)
+    loss.backward()
+    model.eval()
+    cache = model.new_cache(2)
+    with torch.no_grad():
+        compiled(idx[:, :8], cache=cache, last_only=True)
+        logits, _ = compiled(idx[:, 8:9], cache=cache, start_pos=8, last_only=True)
+    assert logits.shape == (2, 1, 50)
+
+
+@pytest.mark.slow
+def test_compiled_bench_end_to_end(tmp_path):
+    """The real thing: inductor (needs a C++ compiler on CPU), two schemes, training only."""
+    torch._dynamo.reset()
+    data = run_json(tmp_path, "--compile", "--no-inference")
+    assert data["machine"]["compile"] is True
+    assert all(d["train"]["tokens_per_s"]["median"] > 0 for d in data["schemes"].values())

@@ -1,0 +1,241 @@
+"""Checkpoints: atomic folders, manifest verification, corruption, pickle refusal, reloading."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkvlab.errors import QkvlabError
+from qkvlab.model import GPT
+from qkvlab.train import checkpoint as ck
+from qkvlab.train.config import load_config
+from qkvlab.train.optim import build_optimizer
+
+TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        "model.vocab_size=40"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and CPUs shared with other jobs punish more."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def tiny(tmp_path: Path, *extra: str):
+    cfg = load_config("shakespeare-char", [*TINY, f"run.out_dir={tmp_path / 'run'}", *extra])
+    torch.manual_seed(0)
+    model = GPT(cfg.model)
+    opt = build_optimizer(model, cfg.optim)
+    x = torch.randint(0, 40, (2, 16))
+    for _ in range(2):  # populate AdamW's moments
+        _, loss = model(x, x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return cfg, model, opt
+
+
+def save(cfg, model, opt, step: int, keep_last: int = 3) -> Path:
+    return ck.save_checkpoint(cfg.run_dir, step, model, opt, cfg,
+                              {"tokens": step * 10, "best_val_loss": 2.5}, keep_last)
+
+
+def test_layout_manifest_and_latest(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    path = save(cfg, model, opt, 5)
+    assert path.name == "ckpt-0000005"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "manifest.json", "model.safetensors", "optimizer.safetensors", "state.json"]
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, entry in manifest["files"].items():
+        assert (path / name).stat().st_size == entry["size"]
+        assert re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])
+    assert (cfg.run_dir / "latest").read_text().strip() == "ckpt-0000005"
+    assert not list(cfg.run_dir.glob(".tmp-ckpt-*"))
+    state = json.loads((path / "state.json").read_text())
+    assert state["step"] == 5 and state["tokens"] == 50 and state["best_val_loss"] == 2.5
+    assert state["config"]["model"]["n_embd"] == 32 and "torch" in state["rng"]
+    assert state["qkvlab_version"]
+    ck.verify_checkpoint(path)
+
+
+def test_tied_head_is_stored_once_and_retied(tmp_path):
+    from safetensors import safe_open
+
+    cfg, model, opt = tiny(tmp_path)
+    path = save(cfg, model, opt, 1)
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "lm_head.weight" not in keys and "wte.weight" in keys
+    loaded, info = ck.load_model(cfg.run_dir)
+    assert loaded.lm_head.weight is loaded.wte.weight
+    assert info.step == 1 and info.config == cfg and not loaded.training
+    x = torch.randint(0, 40, (2, 16))
+    model.eval()
+    assert torch.equal(loaded(x)[0], model(x)[0])
+
+    cfg2, model2, opt2 = tiny(tmp_path / "untied", "model.tie_embeddings=false")
+    path2 = save(cfg2, model2, opt2, 1)
+    with safe_open(str(path2 / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" in set(f.keys())
+    loaded2, _ = ck.load_model(path2)
+    assert torch.equal(loaded2.lm_head.weight, model2.lm_head.weight)
+
+
+def test_optimizer_and_rng_round_trip_bitwise(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    torch.manual_seed(123)
+    path = save(cfg, model, opt, 2)
+    expected_next = torch.rand(3)
+    info = ck.read_checkpoint(path)
+    model2 = GPT(cfg.model)
+    ck.load_model_state(model2, info)
+    opt2 = build_optimizer(model2, cfg.optim)
+    ck.load_optimizer_state(opt2, info)
+    a, b = opt.state_dict(), opt2.state_dict()
+    assert a["state"].keys() == b["state"].keys()
+    for idx in a["state"]:
+        for name, value in a["state"][idx].items():
+            assert torch.equal(value, b["state"][idx][name]), (idx, name)
+    assert a["param_groups"] == b["param_groups"]
+    ck.set_rng_state(info.state["rng"])
+    assert torch.equal(torch.rand(3), expected_next)
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    for step in (1, 2, 3, 4):
+        save(cfg, model, opt, step, keep_last=2)
+    assert [p.name for p in ck.list_checkpoints(cfg.run_dir)] == ["ckpt-0000003", "ckpt-0000004"]
+    assert ck.find_checkpoint(cfg.run_dir).name == "ckpt-0000004"
+    # resaving an existing step replaces it atomically
+    save(cfg, model, opt, 4, keep_last=2)
+    ck.verify_checkpoint(cfg.run_dir / "ckpt-0000004")
+    assert not list(cfg.run_dir.glob(".old-*"))
+
+
+def test_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    cfg, model, opt = tiny(tmp_path)
+    save(cfg, model, opt, 1)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "rng_state", boom)  # fails after the tensors are written
+    with pytest.raises(OSError, match="disk full"):
+        save(cfg, model, opt, 2)
+    assert not (cfg.run_dir / "ckpt-0000002").exists()
+    assert not list(cfg.run_dir.glob(".tmp-ckpt-*"))
+    assert (cfg.run_dir / "latest").read_text().strip() == "ckpt-0000001"
+    ck.verify_checkpoint(cfg.run_dir / "ckpt-0000001")
+
+
+def test_clean_temp_restores_a_checkpoint_renamed_aside(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    path = save(cfg, model, opt, 1)
+    # a crash between "rename the old folder aside" and "rename the new one in"
+    path.rename(cfg.run_dir / ".old-ckpt-0000001-abcd1234")
+    (cfg.run_dir / ".tmp-ckpt-ckpt-0000001-1-deadbeef").mkdir()
+    ck.clean_temp(cfg.run_dir)
+    ck.verify_checkpoint(path)
+    assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["ckpt-0000001", "latest"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "manifest"])
+def test_corruption_is_detected_and_names_the_previous_good(tmp_path, damage):
+    cfg, model, opt = tiny(tmp_path)
+    save(cfg, model, opt, 1)
+    bad = save(cfg, model, opt, 2)
+    target = bad / "model.safetensors"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:-100])
+    elif damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[-5] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "delete":
+        target.unlink()
+    else:
+        (bad / "manifest.json").write_text("{not json")
+    with pytest.raises(ck.CorruptCheckpoint) as err:
+        ck.load_model(cfg.run_dir)  # `latest` names the damaged one
+    msg = str(err.value)
+    assert f"checkpoint {bad} is corrupt" in msg
+    assert "model.safetensors" in msg or "manifest.json" in msg
+    assert "previous good checkpoint is" in msg and "ckpt-0000001" in msg
+    # without `latest`, a run folder falls back to the newest checkpoint that verifies
+    (cfg.run_dir / "latest").unlink()
+    assert ck.find_checkpoint(cfg.run_dir).name == "ckpt-0000001"
+
+
+def test_pickle_files_are_refused_and_never_loaded(tmp_path, monkeypatch):
+    cfg, model, opt = tiny(tmp_path)
+
+    def no_unpickling(*args, **kwargs):
+        raise AssertionError("torch.load must never be called")
+
+    monkeypatch.setattr(torch, "load", no_unpickling)
+    pt = tmp_path / "model.pt"
+    torch.save(model.state_dict(), pt)
+    with pytest.raises(QkvlabError, match="never unpickles"):
+        ck.load_model(pt)
+    folder = tmp_path / "legacy"
+    folder.mkdir()
+    torch.save(model.state_dict(), folder / "ckpt.pt")
+    with pytest.raises(QkvlabError, match=r"found ckpt.pt: pickle files are never loaded"):
+        ck.load_model(folder)
+    # a pickle smuggled in as model.safetensors, with a manifest that matches it
+    path = save(cfg, model, opt, 1)
+    torch.save(model.state_dict(), path / "model.safetensors")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"]["model.safetensors"] = {
+        "size": (path / "model.safetensors").stat().st_size,
+        "sha256": ck._sha256(path / "model.safetensors")}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ck.CorruptCheckpoint, match="not readable model safetensors"):
+        ck.load_model(path)
+
+
+def test_no_unpickling_anywhere_in_the_package():
+    src = Path(__file__).resolve().parents[1] / "src" / "qkvlab"
+    for py in src.rglob("*.py"):
+        text = py.read_text(encoding="utf-8")
+        assert "torch.load(" not in text, py
+        assert "pickle.load" not in text, py
+
+
+def test_incompatible_config_is_refused(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    path = save(cfg, model, opt, 1)
+    info = ck.read_checkpoint(path)
+    other = GPT(load_config("shakespeare-char", [*TINY, "model.n_embd=64"]).model)
+    with pytest.raises(QkvlabError, match=r"does not fit the model config \(.*wte.weight is "
+                                          r"\[40, 32\] in the checkpoint but \[40, 64\]"):
+        ck.load_model_state(other, info)
+    qid = GPT(load_config("shakespeare-char", [*TINY, "model.projection=q-identity"]).model)
+    with pytest.raises(QkvlabError, match="does not fit the model config"):
+        ck.load_model_state(qid, info)
+
+
+def test_best_checkpoint_has_no_optimizer(tmp_path):
+    cfg, model, opt = tiny(tmp_path)
+    best = ck.write_checkpoint(cfg.run_dir / "best", model, cfg, state={"step": 3})
+    assert not (best / "optimizer.safetensors").exists()
+    info = ck.read_checkpoint(best)
+    assert not info.has_optimizer and info.step == 3
+    with pytest.raises(QkvlabError, match="no optimizer state"):
+        ck.load_optimizer_state(opt, info)
+    # a run folder with only best/ still finds it
+    assert ck.find_checkpoint(cfg.run_dir) == best
+    with pytest.raises(QkvlabError, match="does not exist"):
+        ck.find_checkpoint(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(QkvlabError, match="no qkvlab checkpoint"):
+        ck.find_checkpoint(tmp_path / "empty")

@@ -1,0 +1,286 @@
+"""The training loop: exact resume, locks, refusals, divergence, signals, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkvlab.cli import main
+from qkvlab.data.prepare import prepare
+from qkvlab.errors import QkvlabError
+from qkvlab.train import trainer
+from qkvlab.train.config import load_config, save_config
+from qkvlab.train.trainer import read_metrics, train
+
+WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
+         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and CPUs shared with other jobs punish more."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    """A tiny char-level dataset (~8 KB of pseudo-verse) prepared from a local text file."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
+             for _ in range(200)]
+    text_file = root / "verse.txt"
+    text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = root / "verse-char"
+    prepare(str(text_file), "char", out, val_fraction=0.1)
+    return out
+
+
+def vocab(data_dir: Path) -> int:
+    return json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+
+
+def config(data_dir: Path, out: Path, *extra: str):
+    """A 2 x 32 model, context 16, batch 4: a few milliseconds per step."""
+    return load_config("shakespeare-char", [
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        f"model.vocab_size={vocab(data_dir)}", "model.dropout=0.1",
+        f"data.dir={data_dir}", "data.prepare_if_missing=false",
+        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2", "optim.decay_steps=8",
+        "train.max_steps=8", "train.batch_size=4", "train.grad_accum=2",
+        "train.eval_interval=4", "train.eval_windows=8", "train.log_interval=1",
+        "train.ckpt_interval=4", "train.keep_last=2", "train.peak_flops=1e12",
+        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
+        f"run.out_dir={out}", *extra,
+    ])
+
+
+def losses(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
+    return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_resume_is_exact(data_dir, tmp_path, dtype):
+    straight = train(config(data_dir, tmp_path / "a", f"train.dtype={dtype}"), quiet=True)
+    # first half: a run that stops at step 4 (max_steps is a harmless key to change)
+    half = config(data_dir, tmp_path / "b", f"train.dtype={dtype}", "train.max_steps=4")
+    train(half, quiet=True)
+    resumed = train(config(data_dir, tmp_path / "b", f"train.dtype={dtype}"), resume=True,
+                    quiet=True)
+    assert resumed["resumed_from"] == 4
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert [s for s, _, _ in a] == list(range(9))  # step 0 eval, then every step, no duplicates
+    assert a == b  # bitwise: floats survive JSON exactly
+    assert straight["final_val_loss"] == resumed["final_val_loss"]
+    assert (tmp_path / "a/ckpt-0000008/model.safetensors").read_bytes() == \
+        (tmp_path / "b/ckpt-0000008/model.safetensors").read_bytes()
+    assert (tmp_path / "a/ckpt-0000008/optimizer.safetensors").read_bytes() == \
+        (tmp_path / "b/ckpt-0000008/optimizer.safetensors").read_bytes()
+
+
+def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch):
+    train(config(data_dir, tmp_path / "a"), quiet=True)
+    real_step = trainer._train_step
+
+    def step_then_sigterm(*args, **kwargs):
+        rec = real_step(*args, **kwargs)
+        if args[5] == 2:  # the step index: ask to stop after the 3rd step
+            os.kill(os.getpid(), signal.SIGTERM)
+        return rec
+
+    monkeypatch.setattr(trainer, "_train_step", step_then_sigterm)
+    summary = train(config(data_dir, tmp_path / "b"), quiet=True)
+    assert summary["interrupted"] and summary["steps"] == 3
+    assert (tmp_path / "b/latest").read_text().strip() == "ckpt-0000003"
+    assert json.loads((tmp_path / "b/summary.json").read_text())["interrupted"]
+    monkeypatch.setattr(trainer, "_train_step", real_step)
+    train(config(data_dir, tmp_path / "b"), resume=True, quiet=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_crash_after_checkpoint_resumes_without_duplicate_metrics(data_dir, tmp_path,
+                                                                  monkeypatch):
+    train(config(data_dir, tmp_path / "a"), quiet=True)
+    real_step = trainer._train_step
+
+    def crash_at_step_6(*args, **kwargs):
+        if args[5] == 6:
+            raise RuntimeError("power cut")
+        return real_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_train_step", crash_at_step_6)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(config(data_dir, tmp_path / "b"), quiet=True)
+    assert [r["step"] for r in read_metrics(tmp_path / "b")][-1] == 6  # past ckpt-0000004
+    assert not (tmp_path / "b/.lock").exists()  # released on the way out
+    monkeypatch.setattr(trainer, "_train_step", real_step)
+    train(config(data_dir, tmp_path / "b"), resume=True, quiet=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+
+
+def test_run_folder_contents_and_same_init_per_seed(data_dir, tmp_path):
+    cfg = config(data_dir, tmp_path / "a", "train.tensorboard=true", "train.max_steps=4")
+    summary = train(cfg, quiet=True)
+    run = tmp_path / "a"
+    names = {p.name for p in run.iterdir()}
+    assert {"config.toml", "metrics.jsonl", "summary.json", "latest", "ckpt-0000004", "best",
+            "tb", "tokenizer"} <= names
+    assert not (run / ".lock").exists()
+    assert any((run / "tb").iterdir())
+    assert load_config(run / "config.toml") == cfg
+    assert set(summary) >= {"final_val_loss", "tokens_per_s", "params", "run_dir", "mfu"}
+    assert summary["params"] > 0 and summary["tokens_per_s"] > 0 and summary["steps"] == 4
+    rec = read_metrics(run)[-1]
+    assert set(rec) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",
+                        "val_loss", "val_ppl"}
+    assert rec["tokens"] == 4 * 4 * 2 * 16
+    # a second run with the same seed starts from the same weights: same step-0 val loss
+    train(config(data_dir, tmp_path / "b", "train.max_steps=1"), quiet=True)
+    assert read_metrics(run)[0] == read_metrics(tmp_path / "b")[0]
+
+
+def test_refusals(data_dir, tmp_path):
+    cfg = config(data_dir, tmp_path / "a", "train.max_steps=4")
+    train(cfg, quiet=True)
+    with pytest.raises(QkvlabError, match="already has checkpoints: pass --resume or choose "
+                                          "another --out"):
+        train(cfg, quiet=True)
+    changed = config(data_dir, tmp_path / "a", "train.max_steps=4", "optim.lr=1e-3")
+    with pytest.raises(QkvlabError, match=r"differs .* at optim.lr \(saved 0.003, now 0.001\)"):
+        train(changed, resume=True, quiet=True)
+    # resume=True without checkpoints starts fresh
+    fresh = train(config(data_dir, tmp_path / "new", "train.max_steps=2"), resume=True,
+                  quiet=True)
+    assert fresh["resumed_from"] is None and fresh["steps"] == 2
+    # resuming a finished run only re-evaluates
+    again = train(cfg, resume=True, quiet=True)
+    assert again["steps"] == 4 and again["final_val_loss"] is not None
+
+
+def test_lock_refuses_a_live_run_and_clears_a_dead_one(data_dir, tmp_path):
+    run = tmp_path / "a"
+    run.mkdir()
+    (run / ".lock").write_text(f"{os.getpid()} {os.uname().nodename}\n")
+    with pytest.raises(QkvlabError, match=f"in use by process {os.getpid()}"):
+        train(config(data_dir, run), quiet=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / ".lock").write_text(f"{dead.pid} {os.uname().nodename}\n")
+    train(config(data_dir, run, "train.max_steps=1"), quiet=True)
+    assert not (run / ".lock").exists()
+
+
+def test_nonfinite_loss_stops_with_a_clear_error(data_dir, tmp_path):
+    cfg = config(data_dir, tmp_path / "a", "optim.lr=1e30", "optim.min_lr=0", "optim.grad_clip=0",
+                 "train.max_nonfinite=3", "train.max_steps=20", "train.ckpt_interval=1",
+                 "optim.warmup_steps=0", "optim.decay_steps=20")
+    with pytest.raises(QkvlabError) as err:
+        train(cfg, quiet=True)
+    msg = str(err.value)
+    assert "non-finite loss or gradient for 3 consecutive steps" in msg
+    assert re.search(r"the last at step \d+", msg) and "the last good checkpoint is" in msg
+    assert "lower optim.lr" in msg
+    records = read_metrics(tmp_path / "a")
+    assert any(r.get("loss") is None for r in records[1:])  # logged as null, not NaN
+
+
+def test_vocab_and_data_errors(data_dir, tmp_path):
+    small = config(data_dir, tmp_path / "a", "model.vocab_size=8")
+    with pytest.raises(QkvlabError, match=r"model.vocab_size = 8 is smaller .*--set "
+                                          r"model.vocab_size="):
+        train(small, quiet=True)
+    padded = config(data_dir, tmp_path / "b", "model.vocab_size=64", "train.max_steps=1")
+    assert train(padded, quiet=True)["steps"] == 1
+    missing = config(data_dir, tmp_path / "c", f"data.dir={tmp_path / 'nodata'}",
+                     "data.source=hf:someone/corpus", "data.tokenizer=gpt2")
+    with pytest.raises(QkvlabError, match=r"no prepared data .* run `qkvlab prepare "
+                                          r"hf:someone/corpus --tokenizer gpt2 --out"):
+        train(missing, quiet=True)
+    wrong_tok = config(data_dir, tmp_path / "d", "data.tokenizer=bytes")
+    with pytest.raises(QkvlabError, match="prepared with tokenizer char"):
+        train(wrong_tok, quiet=True)
+
+
+# ---- the command line ---------------------------------------------------------------------
+def one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_cli_train_eval_sample(data_dir, tmp_path, capsys):
+    cfg = config(data_dir, tmp_path / "run", "train.max_steps=4")
+    path = save_config(cfg, tmp_path / "tiny.toml")
+    assert main(["train", str(path), "--out", str(tmp_path / "run")]) == 0
+    assert "done at step 4" in capsys.readouterr().out
+    assert main(["train", str(tmp_path / "run"), "--resume", "--set", "train.max_steps=6"]) == 0
+    assert read_metrics(tmp_path / "run")[-1]["step"] == 6
+    capsys.readouterr()
+    assert main(["eval", str(tmp_path / "run"), "--windows", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "ckpt-0000006 (step 6): val loss" in out and "perplexity" in out
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "The", "--max-new-tokens", "20",
+                 "--num-samples", "2", "--seed", "1"]) == 0
+    texts = capsys.readouterr().out.split("\n---\n")
+    assert len(texts) == 2 and all(t.startswith("The") for t in texts)
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "The", "--max-new-tokens", "20",
+                 "--num-samples", "2", "--seed", "1", "--no-cache"]) == 0
+    assert capsys.readouterr().out.split("\n---\n") == texts  # the cache changes nothing
+    assert main(["sample", str(tmp_path / "run" / "best"), "--prompt", "T", "--temperature",
+                 "0", "--max-new-tokens", "5"]) == 0
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["train", "no-such-config"], "neither a file nor a preset"),
+    (["train", "shakespeare-char", "--set", "model.n_layers=2"],
+     "unknown key(s) n_layers in [model]; valid keys"),
+    (["train", "shakespeare-char", "--set", "optim.lr=fast"], "optim.lr must be float"),
+    (["train", "shakespeare-char", "--set", "model.n_embd=100"], "divisible by n_head"),
+    (["eval", "no-such-run"], "does not exist"),
+    (["sample", "no-such-run"], "does not exist"),
+])
+def test_cli_errors_are_one_line(argv, needle, capsys):
+    assert main(argv) == 2
+    err = one_line_error(capsys)
+    assert err.startswith(f"qkvlab {argv[0]}: error: ") and needle in err
+
+
+def test_cli_errors_with_files(data_dir, tmp_path, capsys):
+    pt = tmp_path / "model.pt"
+    torch.save({"w": torch.zeros(1)}, pt)
+    assert main(["eval", str(pt)]) == 2
+    assert "never unpickles" in one_line_error(capsys)
+    cfg = config(data_dir, tmp_path / "run", "train.max_steps=2")
+    path = save_config(cfg, tmp_path / "tiny.toml")
+    assert main(["train", str(path), "--set", "model.vocab_size=3"]) == 2
+    assert "is smaller than the vocabulary" in one_line_error(capsys)
+    assert main(["train", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["train", str(path)]) == 2
+    assert "already has checkpoints" in one_line_error(capsys)
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "\u2603"]) == 2
+    assert "not in this char vocabulary" in one_line_error(capsys)
+    assert main(["sample", str(tmp_path / "run"), "--top-p", "0"]) == 2
+    assert "--top-p must be in (0, 1]" in one_line_error(capsys)
+    assert main(["eval", str(tmp_path / "run"), "--windows", "0"]) == 2
+    assert "--windows must be at least 1" in one_line_error(capsys)
+
+
+def test_presets_command(capsys):
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    for name in ("shakespeare-char", "gpt2-small-owt", "gpt2-small-owt-qidentity"):
+        assert name in out
+
