@@ -11,9 +11,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from rich.console import Console
 from rich.table import Table
 
+from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.variants import compare_variants
 from qkvlab.model.params import count_params
@@ -141,9 +141,7 @@ def compare_command(args) -> int:
     base = load_config(PRESETS[args.preset], overrides)
     out = Path(args.out)
     variants = compare_variants(base.model)
-    console = Console()
-    if not console.is_terminal:  # keep the table on one line per row in logs
-        console.width = 160
+    console = table_console()
     for v in variants:
         run_dir = out / v.name
         if (run_dir / "summary.json").exists() and not args.fresh:

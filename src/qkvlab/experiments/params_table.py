@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from rich.console import Console
 from rich.table import Table
 
+from qkvlab.console import table_console
 from qkvlab.experiments.variants import paper_variants
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
@@ -48,5 +48,5 @@ def params_command(args) -> int:
     for r in rows:
         table.add_row(r["variant"], r["projection"], str(r["mlp_hidden"]),
                       f"{r['attn_scale']:.4g}", *(f"{r[c]:,}" for c in COLUMNS))
-    Console(width=250).print(table)
+    table_console().print(table)
     return 0

@@ -167,8 +167,9 @@ def run_checks(seed: int = 0) -> list[CheckResult]:
 
 def verify_command(args: argparse.Namespace) -> int:
     """Print the table; exit status 1 if any row fails."""
-    from rich.console import Console
     from rich.table import Table
+
+    from qkvlab.console import table_console
 
     start = time.perf_counter()
     results = run_checks(int(getattr(args, "seed", 0) or 0))
@@ -181,7 +182,7 @@ def verify_command(args: argparse.Namespace) -> int:
     for r in results:
         table.add_row(r.section, r.statement, r.hypotheses, f"{r.value:.2e}", r.expect,
                       r.criterion, "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]")
-    console = Console()
+    console = table_console()
     console.print(table)
     failed = sum(not r.passed for r in results)
     console.print(f"{len(results) - failed}/{len(results)} PASS in {elapsed:.1f} s")
