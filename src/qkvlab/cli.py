@@ -83,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
+    _overrides(p)
     p.set_defaults(handler="qkvlab.experiments.compare:compare_command")
 
     p = sub.add_parser("presets", help="list the shipped config presets")

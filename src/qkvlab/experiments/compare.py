@@ -17,15 +17,9 @@ from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.variants import compare_variants
 from qkvlab.model.params import count_params
+from qkvlab.train.trainer import read_metrics
 
 PRESETS = {"quick": "compare-quick", "long": "compare-long"}
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def val_curve(records: list[dict]) -> tuple[list[int], list[float]]:
@@ -133,7 +127,7 @@ def compare_command(args) -> int:
 
     if args.preset not in PRESETS:
         raise QkvlabError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    overrides = []
+    overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"train.max_steps={args.steps}")
     if args.seed is not None:
