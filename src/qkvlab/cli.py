@@ -9,8 +9,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from qkvlab.errors import QkvlabError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`qkvlab train: error: ...`), exit code 2.
+
+    Subcommand parsers are made with the class of their parent, so this covers all of them.
+    """
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
+                     f"(see `{self.prog} --help`)\n")
 
 
 def _overrides(p: argparse.ArgumentParser) -> None:
@@ -20,7 +32,7 @@ def _overrides(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="qkvlab",
         description="Attention without a redundant W_Q: models, training, theory, experiments.",
     )
@@ -53,6 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="run folder or checkpoint folder")
     p.add_argument("--windows", type=int, default=None, help="number of validation windows")
     p.add_argument("--data", default=None, help="prepared data folder (default: the run's)")
+    p.add_argument("--lm-eval", default=None, metavar="TASKS",
+                   help="run lm-evaluation-harness tasks (comma-separated) on the model exported "
+                        "to transformers instead; PATH may also be a `qkvlab export` folder")
+    p.add_argument("--lm-eval-limit", type=int, default=None, metavar="N",
+                   help="with --lm-eval: at most N examples per task")
+    p.add_argument("--lm-eval-batch-size", type=int, default=None, metavar="B",
+                   help="with --lm-eval: batch size (default 8)")
     p.set_defaults(handler="qkvlab.train.commands:eval_command")
 
     p = sub.add_parser("sample", help="generate text from a run or checkpoint")
@@ -130,18 +149,105 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", default="q-identity", help="q-identity | k-identity | v-identity")
     p.add_argument("--out", default=None, help="folder for the converted checkpoint")
     p.set_defaults(handler="qkvlab.theory.convert_cmd:convert_command")
+
+    p = sub.add_parser("export", help="export a checkpoint as a transformers (GPT-2) model folder")
+    p.add_argument("path", help="run folder or checkpoint folder")
+    p.add_argument("out_dir", help="folder to write (config.json, model.safetensors, tokenizer)")
+    p.add_argument("--format", default="hf", choices=["hf"],
+                   help="hf: a transformers GPT2LMHeadModel folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the exported weights")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip loading the export with transformers to compare logits")
+    p.set_defaults(handler="qkvlab.hf.export:export_command")
+
+    p = sub.add_parser("import-hf", help="import a local GPT-2 transformers folder as a checkpoint")
+    p.add_argument("model_dir", help="folder with config.json and model.safetensors")
+    p.add_argument("--out", default=None, help="checkpoint folder to write (default runs/hf-NAME)")
+    p.add_argument("--data", default=None,
+                   help="prepared data folder for eval (its tokenizer must match the model's)")
+    p.add_argument("--no-detect", action="store_true",
+                   help="import as a plain baseline even when a Q/K/V block is exactly c I")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip comparing logits with transformers")
+    p.set_defaults(handler="qkvlab.hf.importer:import_command")
+
+    p = sub.add_parser("retrofit",
+                       help="turn a trained standard model into W_Q = I: convert, then heal")
+    p.add_argument("path", help="run folder or checkpoint folder of a baseline model")
+    p.add_argument("--to", default="q-identity", choices=["q-identity"],
+                   help="target scheme (only q-identity)")
+    p.add_argument("--init", default="regress", choices=["regress", "basis", "drop"],
+                   help="regress: per-head least-squares query absorbed into W_K (default); "
+                        "basis: theory's best available conversion; drop: just remove W_Q")
+    p.add_argument("--steps", type=int, default=200, help="healing steps (0: convert only)")
+    p.add_argument("--distill", action="store_true",
+                   help="heal by distillation (KL to the original model's logits), not plain CE")
+    p.add_argument("--lr", type=float, default=None,
+                   help="healing peak learning rate (default: the run's min_lr x 3)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="healing batch size (default: the run's)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="validation interval in steps (default: steps / 4)")
+    p.add_argument("--windows", type=int, default=None,
+                   help="validation windows (default: the run's eval_windows, at most 64)")
+    p.add_argument("--calib-batches", type=int, default=8,
+                   help="training batches whose activations fit the regress init")
+    p.add_argument("--compare-inits", action="store_true",
+                   help="also report every init's loss right after conversion")
+    p.add_argument("--seed", type=int, default=0, help="seed of the healing batches")
+    p.add_argument("--out", default=None,
+                   help="checkpoint folder to write (default RUN/retrofit-q-identity)")
+    p.add_argument("--data", default=None, help="prepared data folder (default: the run's)")
+    p.set_defaults(handler="qkvlab.retrofit.command:retrofit_command")
+
+    p = sub.add_parser("sweep", help="train an experiment spec: variants x seeds, resumable")
+    p.add_argument("spec", nargs="?", default=None,
+                   help="shipped spec name, spec TOML file, or a sweep folder to continue; "
+                        "without it, list the shipped specs")
+    p.add_argument("--out", default=None, help="sweep folder (default runs/sweeps/SPEC)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="list the runs, their state, parameter counts and tokens; train nothing")
+    p.add_argument("--print-commands", action="store_true",
+                   help="print one self-contained command per pending run (for a scheduler)")
+    p.add_argument("--launcher", default=None,
+                   help="start each run as LAUNCHER -m qkvlab train RUN --resume, e.g. "
+                        "'torchrun --standalone --nproc-per-node=8'")
+    p.add_argument("--only", action="append", default=None, metavar="VARIANT",
+                   help="only these variants (repeatable or comma-separated)")
+    p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
+    p.add_argument("--yes", action="store_true", help="allow launching more than 100 runs")
+    p.add_argument("--retry-failed", action="store_true", help="retrain runs that failed before")
+    _overrides(p)
+    p.set_defaults(handler="qkvlab.experiments.sweep:sweep_command")
+
+    p = sub.add_parser("report", help="Markdown report and plots of a sweep: paired statistics")
+    p.add_argument("spec_or_dir", help="sweep folder, or a spec (its runs in --runs or the "
+                                       "spec's default folder)")
+    p.add_argument("--runs", default=None, help="sweep folder when a spec is given")
+    p.add_argument("--out", default=None, help="report folder (default SWEEP/report)")
+    p.add_argument("--per-window", action="store_true",
+                   help="also score each final checkpoint per validation window (secondary "
+                        "paired view; loads the checkpoints)")
+    _overrides(p)
+    p.set_defaults(handler="qkvlab.experiments.report:report_command")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     module_name, func_name = args.handler.split(":")
     try:
         handler = getattr(importlib.import_module(module_name), func_name)
         return int(handler(args) or 0)
     except QkvlabError as err:
-        print(f"qkvlab {args.command}: error: {err}", file=sys.stderr)
+        # one line whatever the message quotes (a key or path may hold a newline)
+        print(f"qkvlab {args.command}: error: {' '.join(str(err).splitlines())}",
+              file=sys.stderr)
         return err.exit_code
     except BrokenPipeError:  # output piped into `head` and the like
         return 0

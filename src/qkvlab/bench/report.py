@@ -53,6 +53,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "baseline_mfu": schemes["baseline"]["train"]["mfu"] if "baseline" in schemes else None,
         "peak_flops": results["peak"]["flops"],
         "peak_source": results["peak"]["source"],
+        "warnings": warnings(results),
     }
     if all("inference" in schemes[n] for n in names):
         summary["cache_speedup"] = {}
@@ -140,6 +141,23 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     if summary["baseline_mfu"] is not None:
         console.print(f"baseline MFU: {100 * summary['baseline_mfu']:.1f}% of "
                       f"{si(summary['peak_flops'], 'FLOP/s')} ({summary['peak_source']})")
+    for warning in summary["warnings"]:
+        console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def warnings(results: dict[str, Any]) -> list[str]:
+    """Signs that the numbers are not to be trusted, for the reader who only skims the table."""
+    out = []
+    trains = [d["train"] for d in results["schemes"].values()]
+    if any(t["mfu"] > 1 for t in trains):
+        out.append("MFU above 100%: the peak was measured while the machine was busier than "
+                   "during training; rerun on a quiet machine or pass --peak-tflops")
+    spread = max((t["tokens_per_s"]["max"] - t["tokens_per_s"]["min"]) / t["tokens_per_s"]["median"]
+                 for t in trains)
+    if spread > 0.2:
+        out.append(f"training tokens/s varied by up to {100 * spread:.0f}% between repeats (a "
+                   f"busy machine?): treat the speed-ups as rough, or rerun with more repeats")
+    return out
 
 
 def _print_inference(results: dict[str, Any], console: Console) -> None:
@@ -162,10 +180,8 @@ def _print_inference(results: dict[str, Any], console: Console) -> None:
             if "generate" in d["inference"]}
     if gens:
         first = next(iter(gens.values()))
-        note = (" - past block_size the window slides and generate() recomputes it every step"
-                if first["sliding_window"] else "")
-        t = Table(title=f"generate(): {first['new_tokens']} new tokens from a 1-token prompt"
-                        f"{note}")
+        t = Table(title=f"generate(): {first['new_tokens']} new tokens from a 1-token prompt "
+                        f"(context {first['block_size']}, no sliding window)")
         for col in ("scheme", "with cache tok/s", "no cache tok/s", "cache speed-up"):
             t.add_column(col, justify="left" if col == "scheme" else "right")
         for name, g in gens.items():
