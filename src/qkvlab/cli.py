@@ -24,6 +24,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {' '.join(message.split())} "
                      f"(see `{self.prog} --help`)\n")
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        # argparse reports unknown options from the top parser ("qkvlab: error: ..."); name
+        # the subcommand they were given to instead
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:
+            sub = next((a.choices.get(getattr(ns, "command", None)) for a in self._actions
+                        if isinstance(a, argparse._SubParsersAction)), None)
+            (sub or self).error(f"unrecognized arguments: {' '.join(extras)}")
+        return ns
+
 
 def _overrides(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

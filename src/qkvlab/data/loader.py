@@ -42,6 +42,35 @@ def _windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[tor
     return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _meta_problem(meta: dict[str, Any]) -> str | None:
+    """What in meta.json would crash or mislead later (types, ranges, file names), or None.
+
+    meta.json is data on disk: it must never steer a read or a copy outside its folder
+    (tokenizer_files are copied into the run folder) or reach int() as junk.
+    """
+    vocab = meta["vocab_size"]
+    if not _is_int(vocab) or not 1 <= vocab <= 1 << 32:
+        return f"vocab_size {vocab!r} is not an integer in [1, 2**32]"
+    for key in ("train_tokens", "val_tokens"):
+        if not _is_int(meta[key]) or meta[key] < 0:
+            return f"{key} {meta[key]!r} is not a non-negative integer"
+    if not isinstance(meta["tokenizer"], str):
+        return f"tokenizer {meta['tokenizer']!r} is not a string"
+    eot = meta.get("eot_token")
+    if eot is not None and (not _is_int(eot) or not 0 <= eot < vocab):
+        return f"eot_token {eot!r} is not a token id below vocab_size"
+    names = meta.get("tokenizer_files", [])
+    if not isinstance(names, list) or not all(
+            isinstance(n, str) and n and n == Path(n).name and n not in (".", "..")
+            and "\\" not in n and "\0" not in n for n in names):
+        return f"tokenizer_files {names!r} is not a list of plain file names"
+    return None
+
+
 class TokenData:
     """Memory-mapped train/val tokens of a dir written by `qkvlab prepare`."""
 
@@ -76,11 +105,14 @@ class TokenData:
             raise self._no_data("meta.json lacks required fields")
         if meta["format"] != 1:
             raise QkvlabError(
-                f"{path} has format {meta['format']}, this qkvlab reads format 1: "
+                f"{path} has format {meta['format']!r}, this qkvlab reads format 1: "
                 "re-run qkvlab prepare with this version"
             )
-        if meta["dtype"] not in _DTYPES:
+        if not isinstance(meta["dtype"], str) or meta["dtype"] not in _DTYPES:
             raise self._no_data(f"unknown dtype {meta['dtype']!r} in meta.json")
+        problem = _meta_problem(meta)
+        if problem:
+            raise self._no_data(f"meta.json is malformed: {problem}")
         return meta
 
     def _open(self, split: str) -> np.ndarray:

@@ -331,12 +331,93 @@ def dataset_chunks(dataset: Any, max_shards: int = MAX_SHARDS) -> Iterator[np.nd
     """
     n_shards = max(1, min(max_shards, len(dataset)))
     for index in range(n_shards):
-        shard = dataset.shard(num_shards=n_shards, index=index, contiguous=True)
-        if hasattr(shard, "with_format"):
-            shard = shard.with_format("numpy")
-        rows = shard["ids"]
-        if len(rows):
-            yield np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+        ids = shard_ids(dataset, n_shards, index)
+        if ids.size:
+            yield ids
+
+
+def shard_ids(dataset: Any, n_shards: int, index: int) -> np.ndarray:
+    """The concatenated "ids" (int64) of contiguous shard `index` of `n_shards`."""
+    shard = dataset.shard(num_shards=n_shards, index=index, contiguous=True)
+    if hasattr(shard, "with_format"):
+        shard = shard.with_format("numpy")
+    rows = shard["ids"]
+    if not len(rows):
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.asarray(r, dtype=np.int64) for r in rows])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
+
+
+def write_shards_resumable(
+    path: Path,
+    tokenized: Any,
+    total: int,
+    dtype: np.dtype,
+    key: dict[str, Any],
+    say: Callable[[str], None] = lambda _msg: None,
+    max_shards: int | None = None,
+) -> int:
+    """Write the "ids" of a tokenized dataset to `path`, shard by shard; a rerun resumes.
+
+    Tokens go into `.NAME.partial` (a memmap of the final size). After each shard the memmap is
+    flushed and `.NAME.progress.json` records the shards and tokens done, so a crash costs at
+    most one shard: the next run with the same `key` (settings, token count, shard count)
+    continues there; any other key starts over. The finished file is renamed into place and its
+    progress file marked complete, which lets a rerun skip the split altogether.
+    """
+    dtype = np.dtype(dtype).newbyteorder("<")
+    n_shards = max(1, min(max_shards or MAX_SHARDS, len(tokenized)))
+    key = {**key, "tokens": int(total), "shards": n_shards, "dtype": dtype.name}
+    nbytes = int(total) * dtype.itemsize
+    partial = path.with_name(f".{path.name}.partial")
+    progress = path.with_name(f".{path.name}.progress.json")
+    rec = _read_json(progress)
+    if rec.get("key") == key and rec.get("complete") and _size(path) == nbytes:
+        say(f"{path.name} was already written by an earlier run; keeping it")
+        return int(total)
+    done, pos = 0, 0
+    if rec.get("key") == key and not rec.get("complete") and _size(partial) == nbytes:
+        done, pos = int(rec.get("shards_done", 0)), int(rec.get("tokens_done", 0))
+        say(f"resuming {path.name} at shard {done} of {n_shards} ({pos:,} tokens written)")
+    else:
+        progress.unlink(missing_ok=True)
+        with open(partial, "wb") as f:
+            f.truncate(nbytes)  # sparse: the memmap below fills it
+    limit = np.iinfo(dtype).max
+    out = np.memmap(partial, dtype=dtype, mode="r+", shape=(int(total),))
+    try:
+        for index in range(done, n_shards):
+            arr = shard_ids(tokenized, n_shards, index)
+            if pos + arr.size > total:
+                raise ValueError(f"{path}: more tokens than the {total} counted")
+            if arr.size and (arr.min() < 0 or arr.max() > limit):
+                raise ValueError(f"{path}: token ids outside 0..{limit}")
+            out[pos : pos + arr.size] = arr
+            pos += arr.size
+            out.flush()  # the tokens reach the file before the progress that vouches for them
+            write_atomic(progress, json.dumps({"key": key, "shards_done": index + 1,
+                                               "tokens_done": pos}).encode())
+        if pos != total:
+            raise ValueError(f"{path}: got {pos} tokens, counted {total}")
+    finally:
+        del out
+    os.replace(partial, path)
+    write_atomic(progress, json.dumps({"key": key, "complete": True}).encode())
+    return int(total)
 
 
 def _hf_texts(dataset: Any, text_field: str) -> Iterator[str]:
@@ -391,14 +472,18 @@ def _prepare_hf(
             num_proc=num_proc if num_proc > 1 else None,
             desc=f"tokenizing {name}",
         )
-        total = int(np.sum(tokenized["len"], dtype=np.int64))
+        lengths = tokenized.with_format("numpy")["len"] if hasattr(tokenized, "with_format") \
+            else tokenized["len"]  # numpy: no Python list of millions of ints
+        total = int(np.sum(lengths, dtype=np.int64))
         if total == 0:
             raise QkvlabError(
                 f"the {name} split of {source} has no tokens: use a bigger dataset or "
                 "--val-fraction"
             )
-        counts[name] = write_tokens(
-            out_dir / f"{name}.bin", dataset_chunks(tokenized), total, dtype
+        # tokenising is resumable through the datasets cache (a deterministic fingerprint);
+        # writing is resumable per shard
+        counts[name] = write_shards_resumable(
+            out_dir / f"{name}.bin", tokenized, total, dtype, settings, say
         )
     desc = (
         f"hf: train_test_split(test_size={val_fraction}, seed={SPLIT_SEED}, shuffle=True), "
@@ -407,7 +492,10 @@ def _prepare_hf(
     meta = _meta(
         settings, tok, dtype, counts["train"], counts["val"], desc, source, "hf", len(dataset)
     )
-    return _finish(out_dir, tok, meta)
+    meta = _finish(out_dir, tok, meta)
+    for name in parts:  # meta.json now vouches for the files: the progress notes are done
+        (out_dir / f".{name}.bin.progress.json").unlink(missing_ok=True)
+    return meta
 
 
 def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
@@ -443,7 +531,8 @@ def prepare_command(args: argparse.Namespace) -> int:
         tokenizer,
         out_dir,
         val_fraction=getattr(args, "val_fraction", None),
-        num_proc=getattr(args, "num_proc", 1) or 1,
+        # `or 1` would turn an explicit --num-proc 0 into 1 instead of refusing it
+        num_proc=1 if getattr(args, "num_proc", None) is None else args.num_proc,
         overwrite=bool(getattr(args, "force", False)),
         text_field=getattr(args, "text_field", None) or "text",
         log=print,

@@ -136,6 +136,10 @@ class CharTokenizer(Tokenizer):
             raise QkvlabError(
                 f"cannot read the char vocabulary {path}: re-run qkvlab prepare for {data_dir}"
             ) from exc
+        if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
+            # the file is data from disk: only a list of strings is a vocabulary
+            raise QkvlabError(f"the char vocabulary {path} is malformed: re-run qkvlab prepare "
+                              f"for {data_dir}")
         return cls(chars)
 
 
@@ -335,6 +339,9 @@ def load_tokenizer(data_dir: Path, meta: dict[str, Any] | None = None) -> Tokeni
                 f"no prepared data at {data_dir}: run `qkvlab prepare shakespeare "
                 f"--tokenizer char --out {data_dir}`"
             ) from exc
+        if not isinstance(meta, dict):
+            raise QkvlabError(f"{data_dir / 'meta.json'} is not a JSON object: re-run "
+                              f"qkvlab prepare for {data_dir}")
     spec = str(meta.get("tokenizer", ""))
     kind, _ = parse_spec(spec)
     if kind == "char":

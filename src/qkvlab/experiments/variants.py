@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 
 BASELINE_WEIGHT_DECAY = 0.1
@@ -54,3 +55,52 @@ def paper_variants(**overrides) -> list[Variant]:
         Variant("narrower", "control: W_Q, d = 744", dataclasses.replace(base, n_embd=744),
                 BASELINE_WEIGHT_DECAY),
     ]
+
+
+# ---- the rules as named derivations, for experiment specs --------------------------------
+def smaller_mlp(base: ModelConfig) -> ModelConfig:
+    """Control: W_Q kept, the MLP shrunk by the d^2 per layer W_Q = I saves (hidden - d/2).
+
+    Said as a ratio when the base says one (4d -> 3.5d), so the paper's base gives exactly the
+    control of `paper_variants`.
+    """
+    if base.mlp_hidden is None:
+        return dataclasses.replace(base, mlp_ratio=base.mlp_ratio - 0.5)
+    return dataclasses.replace(base, mlp_hidden=base.hidden - base.n_embd // 2)
+
+
+def narrower(base: ModelConfig) -> ModelConfig:
+    """Control: W_Q kept, every head 2 dimensions narrower (the paper's d = 768 -> 744)."""
+    if base.head_dim is not None:
+        raise QkvlabError("rule narrower shrinks n_embd and derives the head size from it: unset "
+                          "model.head_dim or give the variant an explicit n_embd instead")
+    return dataclasses.replace(base, n_embd=base.n_embd - 2 * base.n_head)
+
+
+def nonlinear_query(base: ModelConfig) -> ModelConfig:
+    """PAPER.md section 6: Q(X) = (X + f(X)) / 2, keys and values linear, the usual scale."""
+    return dataclasses.replace(base, projection="nonlinear-q", attn_scale=None)
+
+
+def derive(base: ModelConfig, rule: str) -> Variant:
+    """The variant called `rule`, derived from `base` by the rules above.
+
+    The names are those of `compare_variants` and `paper_variants` (applied to the paper's base
+    they give exactly its five variants), plus "nonlinear-q" (weight decay 0.1, as the paper's
+    best nonlinear-query run).
+    """
+    variants = {v.name: v for v in compare_variants(base)}
+    variants["smaller-mlp"] = Variant("smaller-mlp", "control: W_Q, MLP - d/2", smaller_mlp(base),
+                                      BASELINE_WEIGHT_DECAY)
+    variants["nonlinear-q"] = Variant("nonlinear-q", "Q = (X + f(X)) / 2",
+                                      nonlinear_query(base), BASELINE_WEIGHT_DECAY)
+    if rule == "narrower":  # computed only when asked: its shape check may refuse the base
+        return Variant("narrower", "control: W_Q, head size - 2", narrower(base),
+                       BASELINE_WEIGHT_DECAY)
+    if rule not in variants:
+        raise QkvlabError(f"unknown rule {rule!r}; valid rules: {', '.join(RULES)}")
+    return variants[rule]
+
+
+RULES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide", "smaller-mlp", "narrower",
+                          "nonlinear-q")

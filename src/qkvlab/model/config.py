@@ -15,7 +15,8 @@ from qkvlab.errors import QkvlabError
 
 Projection = Literal["baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q"]
 PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
-ACTIVATIONS: tuple[str, ...] = ("gelu", "relu")
+# gelu_tanh: the tanh approximation GPT-2 was trained with (Hugging Face "gelu_new").
+ACTIVATIONS: tuple[str, ...] = ("gelu", "relu", "gelu_tanh")
 NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "none")
 POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
 # "full": x + attn(n1 x), then + mlp(n2 x) (GPT-2). "attention": skip around attention only,
@@ -181,14 +182,20 @@ def coerce(value: Any, type_str: Any, where: str) -> Any:
     if base == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        if not -(1 << 63) <= value < 1 << 63:  # tomllib reads any size; torch and numpy do not
+            raise QkvlabError(f"{where} must fit in 64 bits, got {value}")
         return value
     if base == "float":
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad
+        if not math.isfinite(value):  # TOML has nan and inf literals; no setting wants them
+            raise QkvlabError(f"{where} must be a finite number, got {value!r}")
         return float(value)
     if base == "str":
         if not isinstance(value, str):
             raise bad
+        if "\0" in value:  # no path, name or choice contains NUL; os calls would choke on it
+            raise QkvlabError(f"{where} must not contain a NUL character, got {value!r}")
         return value
     if base.startswith("list"):
         if not isinstance(value, list):

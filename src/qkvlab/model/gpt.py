@@ -155,7 +155,8 @@ class MLP(nn.Module):
         super().__init__()
         self.fc_in = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias)
         self.fc_out = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
-        self.act = nn.GELU() if cfg.activation == "gelu" else nn.ReLU()
+        self.act = {"gelu": nn.GELU, "relu": nn.ReLU,
+                    "gelu_tanh": lambda: nn.GELU(approximate="tanh")}[cfg.activation]()
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from qkvlab.data.tokenizer import Tokenizer, load_tokenizer
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
+from qkvlab.train import guard
 from qkvlab.train.checkpoint import Checkpoint, load_model_state, read_checkpoint
 from qkvlab.train.config import load_config
 from qkvlab.train.trainer import (
@@ -26,6 +27,7 @@ from qkvlab.train.trainer import (
 
 def train_command(args: argparse.Namespace) -> int:
     """Train from a config file, run folder or preset; print a one-line summary."""
+    from qkvlab.train.distributed import env_rank
     from qkvlab.train.trainer import train
 
     cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
@@ -35,6 +37,8 @@ def train_command(args: argparse.Namespace) -> int:
     elif Path(args.config).is_dir():
         cfg = dataclasses.replace(cfg, out_dir=str(args.config))  # `train RUN_DIR --resume`
     summary = train(cfg, resume=bool(getattr(args, "resume", False)))
+    if env_rank() != 0:
+        return 0  # under torchrun rank 0 speaks for the job
     val, ppl = summary["final_val_loss"], summary["final_val_ppl"]
     val_s = "no val loss" if val is None else \
         f"val loss {val:.4f} (ppl {ppl if ppl is not None else math.nan:.2f})"
@@ -58,6 +62,10 @@ def _load(path: str) -> tuple[GPT, Checkpoint, torch.device]:
 
 def eval_command(args: argparse.Namespace) -> int:
     """Print the validation loss and perplexity of a checkpoint on fixed val windows."""
+    if getattr(args, "lm_eval", None):  # lm-evaluation-harness instead (qkvlab.hf.harness)
+        from qkvlab.hf.harness import lm_eval_command
+
+        return lm_eval_command(args)
     model, ckpt, device = _load(args.path)
     cfg = ckpt.config
     data_cfg = cfg.data if not args.data else dataclasses.replace(cfg.data, dir=str(args.data))
@@ -67,7 +75,20 @@ def eval_command(args: argparse.Namespace) -> int:
     if windows < 1:
         raise QkvlabError(f"--windows must be at least 1, got {windows}")
     block = cfg.model.block_size
+    guard.check_bytes(f"{windows:,} validation windows of {block} tokens",
+                      16 * windows * (block + 1), guard.host_memory(), "this machine",
+                      "pass fewer --windows")
     x, y = data.val_windows(windows, block)
+    if cfg.train.objective == "mlm":  # an encoder: masked-token loss and accuracy, fixed mask
+        from qkvlab.train import objectives
+
+        x, y = objectives.eval_inputs(cfg, data.vocab_size, x, y)
+        loss, acc = objectives.evaluate_model_masked(
+            model, x, y, cfg.train.eval_batch_size or cfg.train.batch_size, device,
+            cfg.train.dtype)
+        print(f"{ckpt.path} (step {ckpt.step}): masked-token loss {loss:.4f}, accuracy "
+              f"{acc:.4f} ({windows} windows x {block} tokens of {data.data_dir})")
+        return 0
     loss = evaluate(model, x, y, cfg.train.eval_batch_size or cfg.train.batch_size, device,
                     cfg.train.dtype)
     ppl = perplexity(loss)
@@ -102,6 +123,7 @@ def _check_sample_args(args: argparse.Namespace, vocab: int) -> None:
     need(args.top_p is None or 0 < args.top_p <= 1, f"--top-p must be in (0, 1], got {args.top_p}")
     need(args.stop_token is None or 0 <= args.stop_token < vocab,
          f"--stop-token must be a token id in [0, {vocab}), got {args.stop_token}")
+    need(0 <= args.seed < 1 << 63, f"--seed must be in [0, 2**63), got {args.seed}")
 
 
 def sample_command(args: argparse.Namespace) -> int:
@@ -110,7 +132,20 @@ def sample_command(args: argparse.Namespace) -> int:
 
     model, ckpt, device = _load(args.path)
     tok = run_tokenizer(ckpt)
+    if tok.vocab_size > model.cfg.vocab_size:  # its ids would index past the embedding table
+        raise QkvlabError(
+            f"the tokenizer of {ckpt.path} has {tok.vocab_size} tokens but the model only "
+            f"{model.cfg.vocab_size}: the run's {TOKENIZER_DIR}/ does not belong to it"
+        )
     _check_sample_args(args, model.cfg.vocab_size)
+    m = model.cfg
+    # the ids (int64) and, with the cache, K and V of every layer for every sample
+    cache = 0 if args.no_cache else 8 * m.n_layer * m.n_embd * min(m.block_size,
+                                                                   args.max_new_tokens + 1)
+    guard.check_bytes(f"{args.num_samples:,} samples of {args.max_new_tokens:,} tokens",
+                      args.num_samples * (8 * args.max_new_tokens + cache),
+                      guard.device_memory(device), f"the {device.type} device",
+                      "lower --num-samples or --max-new-tokens")
     prompt = tok.encode(args.prompt)
     if not prompt:
         raise QkvlabError("the prompt encodes to no tokens: pass a non-empty --prompt")

@@ -21,6 +21,9 @@ from qkvlab.model.config import ModelConfig, coerce
 
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
+# Multi-process wrappers under torchrun (one process trains plainly whatever this says).
+PARALLEL: tuple[str, ...] = ("ddp", "fsdp")
+OBJECTIVES: tuple[str, ...] = ("clm", "mlm")  # train/objectives.py
 SECTIONS: tuple[str, ...] = ("run", "model", "data", "optim", "train")
 # The embedded default corpus: the only source that training prepares on its own.
 EMBEDDED_SOURCE = "shakespeare"
@@ -121,6 +124,12 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite steps before giving up
     peak_flops: float | None = None  # for MFU; None: known GPU table, else measured once
     tensorboard: bool = True  # write tb/ events when tensorboard is installed
+    # under torchrun: "ddp" replicates the model, "fsdp" shards it (FSDP2) when it does not fit
+    parallel: str = "ddp"
+    # "clm": next-token prediction; "mlm": BERT-style masked tokens (needs model.causal = false;
+    # train/objectives.py)
+    objective: str = "clm"
+    mlm_prob: float = 0.15  # mlm: share of positions selected for prediction
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_windows",
@@ -136,6 +145,11 @@ class TrainConfig:
               f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
         _need(self.peak_flops is None or self.peak_flops > 0, "train.peak_flops",
               f"must be > 0 or unset, got {self.peak_flops}")
+        _need(self.parallel in PARALLEL, "train.parallel",
+              f"must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        _need(self.objective in OBJECTIVES, "train.objective",
+              f"must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        _need(0 < self.mlm_prob < 1, "train.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
 
 
 @dataclass
@@ -148,6 +162,11 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     name: str = "run"
     out_dir: str | None = None  # None means runs/<name>
+
+    def __post_init__(self) -> None:
+        # a causal model cannot see the context right of a masked token
+        _need(self.train.objective != "mlm" or not self.model.causal, "train.objective",
+              "= mlm needs a bidirectional encoder: set model.causal = false")
 
     @property
     def run_dir(self) -> Path:
@@ -243,6 +262,8 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise QkvlabError(f"{origin} is not valid TOML ({exc}): fix the file") from None
+    except RecursionError:  # arrays nested thousands deep: tomllib recurses per level
+        raise QkvlabError(f"{origin} nests too deeply to be a config: fix the file") from None
 
 
 def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]:

@@ -28,6 +28,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.train import checkpoint as ck
+from qkvlab.train import distributed, guard, objectives
 from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig, save_config
 from qkvlab.train.fsutil import write_text_atomic
 from qkvlab.train.optim import build_optimizer, lr_at, set_lr
@@ -45,6 +46,9 @@ RESUME_HARMLESS = frozenset({
     "train.max_steps", "train.eval_interval", "train.eval_windows", "train.eval_batch_size",
     "train.log_interval", "train.ckpt_interval", "train.keep_last", "train.compile",
     "train.device", "train.max_nonfinite", "train.peak_flops", "train.tensorboard",
+    # DDP vs FSDP is how processes share the work, not what they compute; the world size is
+    # not in the config at all: the global batch is the same for any number of processes
+    "train.parallel",
 })
 
 
@@ -138,15 +142,22 @@ def perplexity(loss: float | None) -> float | None:
 
 # ---- run folder bookkeeping ---------------------------------------------------------------
 class RunLock:
-    """An exclusive lock file (pid and host) so two runs never share a run folder."""
+    """An exclusive lock file (pid, host, process start time) so two runs never share a folder.
+
+    A lock whose process is dead (SIGKILL, power cut) is taken over; the start time tells a
+    recycled pid from the process that wrote the lock. The check-and-create runs under an
+    flock of the run folder, so two runs racing for a stale lock cannot both win. A run folder
+    this lock had to create is removed again on exit if nothing was written into it.
+    """
 
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_FILE
-        self.token = f"{os.getpid()} {socket.gethostname()}"
+        self.token = f"{os.getpid()} {socket.gethostname()} {_start_time(os.getpid()) or '-'}"
+        self._created: list[Path] = []  # folders mkdir made, deepest first
 
     @staticmethod
-    def _alive(pid: int, host: str) -> bool:
+    def _alive(pid: int, host: str, started: str = "-") -> bool:
         if host != socket.gethostname():
             return True  # cannot check another machine: assume it is running
         try:
@@ -154,21 +165,44 @@ class RunLock:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True
-        return True
+            pass
+        now = _start_time(pid)
+        # the pid is taken, but by a process started after the lock's writer: pid reuse
+        return started == "-" or now is None or now == started
 
     def __enter__(self) -> RunLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise QkvlabError(f"run dir {self.run_dir} is a file, not a folder: choose another "
+                              "--out")
+        missing = self.run_dir
+        while not missing.exists() and missing != missing.parent:
+            self._created.append(missing)
+            missing = missing.parent
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with _dir_mutex(self.run_dir):
+                self._acquire()
+        except OSError as exc:
+            self._remove_created()
+            raise QkvlabError(f"cannot lock run dir {self.run_dir} "
+                              f"({exc.strerror or exc}): choose another --out") from None
+        except BaseException:
+            self._remove_created()
+            raise
+        return self
+
+    def _acquire(self) -> None:
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 try:
-                    pid_s, host = self.path.read_text(encoding="utf-8").split()[:2]
-                    pid = int(pid_s)
-                except (OSError, ValueError):
-                    pid, host = -1, ""  # empty or garbled: a run died while writing it
-                if pid > 0 and self._alive(pid, host):
+                    fields_ = self.path.read_text(encoding="utf-8").split()
+                    pid, host = int(fields_[0]), fields_[1]
+                    started = fields_[2] if len(fields_) > 2 else "-"
+                except (OSError, ValueError, IndexError):
+                    pid, host, started = -1, "", "-"  # empty or garbled: died while writing it
+                if pid > 0 and self._alive(pid, host, started):
                     raise QkvlabError(
                         f"run dir {self.run_dir} is in use by process {pid} on {host} (lock "
                         f"file {self.path}): wait for it, or delete the lock file if that "
@@ -178,8 +212,15 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(self.token + "\n")
-            return self
+            return
         raise QkvlabError(f"cannot take the lock {self.path}: another run keeps replacing it")
+
+    def _remove_created(self) -> None:
+        for folder in self._created:
+            try:
+                folder.rmdir()  # only if empty: never delete what someone wrote
+            except OSError:
+                break
 
     def __exit__(self, *exc: Any) -> None:
         try:
@@ -187,6 +228,39 @@ class RunLock:
                 self.path.unlink()
         except OSError:
             pass
+        self._remove_created()
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process `pid` in clock ticks since boot (Linux), else None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8", errors="replace")
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def _dir_mutex(folder: Path):
+    """flock a folder for a moment (POSIX); a no-op where folders cannot be flocked."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        yield
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass  # e.g. a network file system without flock: the O_EXCL create still guards
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the flock
 
 
 class MetricsLog:
@@ -337,7 +411,9 @@ class _State:
     best_val_loss: float = math.inf
     last_val_loss: float | None = None
     last_ckpt: Path | None = None
+    last_good: Path | None = None  # the newest checkpoint saved outside a non-finite streak
     nonfinite: int = 0
+    skipped: int = 0  # non-finite steps skipped over the whole run
     session_tokens: int = 0
     session_time: float = 0.0
     window_tokens: int = 0  # since the last log line, for its tokens/s
@@ -351,13 +427,28 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     Returns the summary also written to summary.json (final val loss, tokens/s, params, ...).
     """
     run_dir = cfg.run_dir
-    with RunLock(run_dir):
-        return _train_locked(cfg, run_dir, resume, quiet)
+    # refuse an absurd config before anything is allocated, locked or written
+    guard.train_memory_check(cfg, resolve_device(cfg.train.device))
+    # under torchrun every process runs this; rank 0 alone holds the lock and writes files
+    with distributed.session(resolve_device(cfg.train.device)) as ctx, \
+            (RunLock(run_dir) if ctx.is_main else contextlib.nullcontext()):
+        try:
+            return _train_locked(cfg, run_dir, resume, quiet, ctx)
+        except OSError as exc:  # disk full, read-only, ...: one line naming the good checkpoint
+            err = ck.storage_error(exc, run_dir)
+            if err is None or err is exc:
+                raise
+            raise err from exc
 
 
-def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> dict[str, Any]:
+def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
+                  ctx: distributed.DistContext | None = None) -> dict[str, Any]:
+    ctx = ctx or distributed.DistContext(device=resolve_device(cfg.train.device))
+    quiet = quiet or not ctx.is_main  # one voice: rank 0 prints, logs and writes files
     say = (lambda _msg: None) if quiet else (lambda msg: print(msg, flush=True))
-    ck.clean_temp(run_dir)
+    if ctx.is_main:
+        ck.clean_temp(run_dir)
+    ctx.barrier()  # the other ranks look for checkpoints once the leftovers are gone
     existing = ck.list_checkpoints(run_dir)
     if existing and not resume:
         raise QkvlabError(f"run dir {run_dir} already has checkpoints: pass --resume or choose "
@@ -373,54 +464,84 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> d
             )
 
     tc = cfg.train
-    device = resolve_device(tc.device)
+    device = ctx.device  # cuda:LOCAL_RANK under torchrun
     check_dtype(device, tc.dtype)
+    plan = distributed.plan_batches(tc.batch_size, tc.grad_accum, ctx.world_size, ctx.rank)
     data = open_data(cfg.data, say)
     check_vocab(cfg, data)
+    objectives.check_objective(cfg, data.vocab_size)
     block = cfg.model.block_size
     val_x, val_y = data.val_windows(tc.eval_windows, block)
+    val_x, val_y = objectives.eval_inputs(cfg, data.vocab_size, val_x, val_y)  # mlm: fixed mask
     data.train_batch(0, 0, 1, block, tc.seed)  # fail now, not at step 1, if data is too short
-    # the saved config names its folder, so `qkvlab train RUN_DIR --resume` finds it again
-    save_config(dataclasses.replace(cfg, out_dir=str(run_dir)), run_dir / CONFIG_FILE)
-    _copy_tokenizer(data, run_dir)
+    # a multi-node run needs one run folder and one data dir that every node sees
+    ctx.agree((ckpt.path.name if ckpt else None, data.train_tokens, data.val_tokens),
+              "checkpoints or data")
 
     # Same seed -> same initial weights, whatever happened in this process before.
     torch.manual_seed(tc.seed)
     model = GPT(cfg.model).to(device)
-    optimizer = build_optimizer(model, cfg.optim)
+    if ckpt is not None:
+        ck.load_model_state(model, ckpt)  # into the whole model, before FSDP shards it
+    use_compile = tc.compile if tc.compile is not None else device.type == "cuda"
+    # plain on one process, DDP or FSDP2 under torchrun; par.fwd is what forwards call
+    par = distributed.Parallel(model, ctx, tc.parallel, use_compile, plan)
+    optimizer = build_optimizer(model, cfg.optim)  # after wrapping: under FSDP it holds shards
+    if not ctx.is_main:
+        torch.manual_seed(distributed.rank_seed(tc.seed, ctx.rank))  # dropout masks of its own
     st = _State()
     if ckpt is not None:
-        ck.load_model_state(model, ckpt)
-        ck.load_optimizer_state(optimizer, ckpt)
-        ck.set_rng_state(ckpt.state["rng"])
+        par.load_optimizer(optimizer, ckpt)
+        par.restore_rng(ckpt.state, tc.seed, ckpt.step)
+        saved_world = int(ckpt.state.get("world_size", 1))
+        if saved_world != ctx.world_size:
+            say(f"{ckpt.path.name} was written by {saved_world} process(es), this run has "
+                f"{ctx.world_size}: the global batch and its data stream are the same")
         st.step = ckpt.step
         st.best_val_loss = ckpt.state.get("best_val_loss") or math.inf
         st.last_val_loss = ckpt.state.get("val_loss")
-        st.last_ckpt = ckpt.path
+        st.last_ckpt = st.last_good = ckpt.path
+        st.skipped = ckpt.state.get("skipped_steps", 0)
         say(f"resuming {run_dir} from {ckpt.path.name} (step {st.step})")
     elif resume:
         say(f"no checkpoint in {run_dir}: starting fresh")
     start_step = st.step
+    # Written only now that config, data and checkpoint have all been accepted: a refused
+    # input leaves the run folder as it was. The saved config names its folder, so
+    # `qkvlab train RUN_DIR --resume` finds it again.
+    if ctx.is_main:
+        save_config(dataclasses.replace(cfg, out_dir=str(run_dir)), run_dir / CONFIG_FILE)
+        _copy_tokenizer(data, run_dir)
 
-    use_compile = tc.compile if tc.compile is not None else device.type == "cuda"
-    fwd = torch.compile(model) if use_compile else model
+    fwd = par.fwd
     params = count_params(cfg.model)
     fpt = flops_per_token(cfg.model, block)
     peak, peak_src = peak_flops_for(device, tc.dtype, tc.peak_flops)
+    peak *= ctx.world_size  # tokens/s counts the whole job, so MFU is against all devices
     tokens_per_step = cfg.tokens_per_step
     say(f"run {run_dir}: {params.total:,} params ({params.non_embedding:,} non-embedding), "
         f"{tokens_per_step:,} tokens/step, {device.type} {tc.dtype}, steps {start_step}->"
         f"{tc.max_steps}, peak {peak / 1e12:.3g} TFLOP/s ({peak_src})")
+    if ctx.enabled:
+        say(f"{ctx.world_size} processes ({par.mode}): each runs {plan.micro_steps_per_rank} "
+            f"micro-step(s) of {plan.rows_per_micro_step} rows per step")
 
-    metrics = MetricsLog(run_dir / METRICS_FILE, start_step if ckpt is not None else None)
+    metrics = MetricsLog(run_dir / METRICS_FILE, start_step if ckpt is not None else None) \
+        if ctx.is_main else distributed.NullLog()
     tb = _open_tensorboard(run_dir, start_step if ckpt is not None else None) \
-        if tc.tensorboard else None
+        if tc.tensorboard and ctx.is_main else None
     reporter = Reporter(tc.max_steps, start_step, quiet)
     eval_bs = tc.eval_batch_size or tc.batch_size
     interrupted = False
 
+    def val_loss(rec: dict[str, Any]) -> float:
+        if tc.objective == "mlm":  # masked-token loss, and accuracy (train/objectives.py)
+            val, rec["val_acc"] = objectives.evaluate_masked(par, val_x, val_y, eval_bs, tc.dtype)
+            return val
+        return par.evaluate(val_x, val_y, eval_bs, tc.dtype)
+
     def run_eval(step: int, rec: dict[str, Any]) -> None:
-        val = evaluate(fwd, val_x, val_y, eval_bs, device, tc.dtype)
+        val = val_loss(rec)
         rec["val_loss"], rec["val_ppl"] = val, perplexity(val)
         st.last_val_loss = val
         ppl = perplexity(val)
@@ -430,18 +551,25 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> d
             tb.add_scalar("val/loss", val, step)
         if step > 0 and val < st.best_val_loss:
             st.best_val_loss = val
-            ck.write_checkpoint(run_dir / ck.BEST_DIR, model, cfg,
-                                state={**ckpt_state(step), "kind": "best"})
+            par.save(lambda m, _o, extra: ck.write_checkpoint(
+                run_dir / ck.BEST_DIR, m, cfg, state={**ckpt_state(step), **extra, "kind": "best"}
+            ), None)
         elif step == 0:
             st.best_val_loss = min(st.best_val_loss, val)
 
     def ckpt_state(step: int) -> dict[str, Any]:
         return {"step": step, "tokens": step * tokens_per_step, "best_val_loss": st.best_val_loss,
-                "val_loss": st.last_val_loss}
+                "val_loss": st.last_val_loss, "world_size": ctx.world_size, "parallel": par.mode,
+                # batches are a pure function of these: a resume continues the same stream
+                "data_stream": {"seed": tc.seed, "next_step": step, **plan.as_dict()},
+                "skipped_steps": st.skipped}
 
     def save(step: int) -> None:
-        st.last_ckpt = ck.save_checkpoint(run_dir, step, model, optimizer, cfg, ckpt_state(step),
-                                          tc.keep_last)
+        # every process takes part (FSDP gathers its shards); rank 0 writes
+        st.last_ckpt = par.save(lambda m, o, extra: ck.save_checkpoint(
+            run_dir, step, m, o, cfg, {**ckpt_state(step), **extra}, tc.keep_last), optimizer)
+        if st.nonfinite == 0:
+            st.last_good = st.last_ckpt
 
     try:
         with _StopFlag() as stop:
@@ -451,16 +579,17 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> d
                 run_eval(0, rec0)
                 metrics.write(rec0)
             for step in range(start_step, tc.max_steps):
-                rec = _train_step(fwd, model, optimizer, data, cfg, step, device, st)
+                rec = _train_step(fwd, model, optimizer, data, cfg, step, device, st, par)
                 done = step + 1
                 st.step = done
                 if rec["loss"] is None:
                     if st.nonfinite >= tc.max_nonfinite:
-                        where = (f"the last good checkpoint is {st.last_ckpt}" if st.last_ckpt
-                                 else "no checkpoint was saved")
+                        where = (f"the last good checkpoint is {st.last_good}" if st.last_good
+                                 else "no good checkpoint was saved")
+                        # `done` is the step number metrics.jsonl and ckpt-* folders use
                         raise QkvlabError(
                             f"training diverged: non-finite loss or gradient for "
-                            f"{st.nonfinite} consecutive steps (the last at step {step}); "
+                            f"{st.nonfinite} consecutive steps (the last at step {done}); "
                             f"{where}: lower optim.lr, raise optim.warmup_steps or use "
                             "train.dtype=fp32"
                         )
@@ -480,16 +609,19 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> d
                     run_eval(done, rec)
                 if is_log:
                     metrics.write({"step": done, **rec})
-                if stop.signum is not None:
+                # all processes stop at the same step, even if the signal reached only some
+                if ctx.any(stop.signum is not None):
                     interrupted = True
                     save(done)
                     reporter.line(f"stopped by signal {stop.signum} at step {done}; checkpoint "
                                   f"{st.last_ckpt}")
                     break
-                if done % tc.ckpt_interval == 0 or done == tc.max_steps:
+                # no regular checkpoint inside a non-finite streak: it would rotate good ones
+                # out (keep_last) in favour of the weights that keep failing
+                if (done % tc.ckpt_interval == 0 or done == tc.max_steps) and st.nonfinite == 0:
                     save(done)
             if start_step >= tc.max_steps and ckpt is not None:
-                st.last_val_loss = evaluate(fwd, val_x, val_y, eval_bs, device, tc.dtype)
+                st.last_val_loss = val_loss({})
     finally:
         reporter.close()
         metrics.close()
@@ -516,11 +648,14 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool) -> d
         "device": device.type,
         "dtype": tc.dtype,
         "checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
+        "skipped_steps": st.skipped,
+        "world_size": ctx.world_size,
     }
     # JSON has no NaN/inf: a diverged or empty value is null
     summary = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                for k, v in summary.items()}
-    write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
+    if ctx.is_main:
+        write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(summary, indent=1) + "\n")
     return summary
 
 
@@ -533,30 +668,45 @@ def _train_step(
     step: int,
     device: torch.device,
     st: _State,
+    par: distributed.Parallel | None = None,
 ) -> dict[str, Any]:
-    """One optimizer step (grad_accum micro-batches); a non-finite step is skipped."""
+    """One optimizer step (grad_accum micro-batches); a non-finite step is skipped.
+
+    Under torchrun `par` deals this process its share of the micro-batches (BatchPlan) and
+    syncs gradients once, after the last of them.
+    """
     tc = cfg.train
+    if par is None:
+        plan = distributed.plan_batches(tc.batch_size, tc.grad_accum, 1, 0)
+        par = distributed.Parallel(model, distributed.DistContext(device), tc.parallel, False,
+                                   plan)
     t0 = time.perf_counter()
     lr = lr_at(step, cfg.optim, tc.max_steps)
     set_lr(optimizer, lr)
     loss_sum = torch.zeros((), device=device)
-    for micro in range(tc.grad_accum):
-        x, y = data.train_batch(step, micro, tc.batch_size, cfg.model.block_size, tc.seed)
+    micros = par.micro_steps()  # one process: micro-steps 0..grad_accum-1, whole
+    for i, micro in enumerate(micros):
+        x, y = data.train_batch(step, micro.index, micro.rows, cfg.model.block_size, tc.seed,
+                                micro.part, micro.parts)
+        x, y = objectives.train_inputs(cfg, data.vocab_size, x, y, step, micro.index, micro.part,
+                                       micro.parts)  # clm: unchanged; mlm: masked
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        with autocast(device, tc.dtype):
-            _, loss = fwd(x, y)
-        (loss / tc.grad_accum).backward()
+        with par.grad_sync(i == len(micros) - 1):
+            with autocast(device, tc.dtype):
+                _, loss = fwd(x, y)
+            (loss / len(micros)).backward()
         loss_sum += loss.detach()
     # clip_grad_norm_ with an infinite bound only measures: the norm is logged either way
     max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-    train_loss = float(loss_sum) / tc.grad_accum
+    grad_norm = par.clip_grad_norm(max_norm)  # the global norm, the same on every process
+    train_loss = par.mean_loss(loss_sum)
     finite = math.isfinite(train_loss) and math.isfinite(grad_norm)
     if finite:
         optimizer.step()
         st.nonfinite = 0
     else:
         st.nonfinite += 1  # skip the update: the weights stay as they were
+        st.skipped += 1
     optimizer.zero_grad(set_to_none=True)
     dt = time.perf_counter() - t0  # float(loss) above synchronised the device
     st.history.append(dt)

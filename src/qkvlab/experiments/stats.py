@@ -1,0 +1,98 @@
+"""The statistics of the experiment report: means over seeds and paired t-tests.
+
+Why paired: every run of a sweep is scored on the same fixed validation windows, and runs that
+share a seed share their batch order, so the difference variant - baseline at the same seed
+removes most of the seed-to-seed spread that the two losses share. The test is the one-sample
+t-test of those differences against 0 (identical to scipy.stats.ttest_rel on the two loss
+lists), with a t-based confidence interval. With n = 2 pairs the interval is wide (t_0.975 with
+1 degree of freedom is 12.7): that is what two seeds can say.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Mean and sample standard deviation (ddof = 1; None for n < 2) of a list of values."""
+
+    n: int
+    mean: float | None
+    std: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(values: Sequence[float]) -> Summary:
+    vals = [float(v) for v in values]
+    n = len(vals)
+    if n == 0:
+        return Summary(0, None, None)
+    mean = math.fsum(vals) / n
+    if n < 2:
+        return Summary(n, mean, None)
+    var = math.fsum((v - mean) ** 2 for v in vals) / (n - 1)
+    return Summary(n, mean, math.sqrt(var))
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """A paired t-test of differences d_i (variant - baseline) against 0.
+
+    mean/std/se describe the differences; t = mean / se with n - 1 degrees of freedom; p is
+    two-sided; [ci_low, ci_high] is the `confidence` interval of the mean difference. Fields a
+    sample this small cannot give are None (n = 1: no spread, no test).
+    """
+
+    n: int
+    mean: float | None
+    std: float | None
+    se: float | None
+    t: float | None
+    df: int
+    p: float | None
+    ci_low: float | None
+    ci_high: float | None
+    confidence: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @property
+    def significant(self) -> bool:
+        """The interval excludes 0 (p < 1 - confidence)."""
+        return self.p is not None and self.p < 1 - self.confidence
+
+
+def paired_t(diffs: Sequence[float], confidence: float = 0.95) -> PairedTest:
+    """The paired t-test of `diffs` (one difference per pair) with a t confidence interval."""
+    from scipy import stats as st
+
+    s = summarize(diffs)
+    df = max(s.n - 1, 0)
+    if s.n < 2 or s.std is None or s.mean is None:
+        return PairedTest(s.n, s.mean, None, None, None, df, None, None, None, confidence)
+    if max(diffs) == min(diffs):
+        # every pair differs by the same amount: no spread to test against (and the computed
+        # std is rounding noise, which must not become a huge t)
+        d = float(diffs[0])
+        t = 0.0 if d == 0 else math.copysign(math.inf, d)
+        p = 1.0 if d == 0 else 0.0
+        return PairedTest(s.n, d, 0.0, 0.0, t, df, p, d, d, confidence)
+    se = s.std / math.sqrt(s.n)
+    t = s.mean / se
+    p = float(2.0 * st.t.sf(abs(t), df))
+    half = float(st.t.ppf(0.5 + confidence / 2.0, df)) * se
+    return PairedTest(s.n, s.mean, s.std, se, t, df, p, s.mean - half, s.mean + half, confidence)
+
+
+def relative(value: float | None, reference: float | None) -> float | None:
+    """100 * value / reference (a difference as a percentage of the reference loss)."""
+    if value is None or reference is None or reference == 0:
+        return None
+    return 100.0 * value / reference

@@ -1,0 +1,534 @@
+"""`qkvlab sweep SPEC`: train a spec's grid of variants x seeds, one folder per run.
+
+The sweep is a loop over `train(cfg, resume=True)`, seed-major (seed 1 of every variant first,
+so a partial sweep is already a complete comparison at one seed). Everything that can be
+checked is checked before the first step: the spec, every variant's config, the data (prepared
+or preparable), vocabularies, the objective, the folder's record of which spec made it, and
+the config of every run folder that already exists.
+
+Re-running the same command continues: finished runs are skipped, interrupted ones resume from
+their latest checkpoint (exactly, see train/trainer.py), runs that failed (diverged) are
+skipped unless --retry-failed. The folder layout::
+
+    <out>/sweep.json                 spec name, fingerprints, the commands and machines
+    <out>/spec.toml                  the spec, as data
+    <out>/<group>/seed-<n>/          a run folder (config.toml, metrics.jsonl, summary.json, ...)
+
+Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run as a subprocess
+`LAUNCHER -m qkvlab train RUN_DIR --resume` (still one run after another), and
+`--print-commands` prints one such self-contained command per pending run for a scheduler
+(a SLURM array, GNU parallel) instead of running anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from qkvlab.console import LOG_WIDTH
+from qkvlab.errors import QkvlabError
+from qkvlab.experiments.spec import (
+    SPEC_COPY,
+    Group,
+    Run,
+    Spec,
+    config_identity,
+    identity_diff,
+    load_spec,
+    spec_names,
+    spec_summary,
+)
+
+SWEEP_FILE = "sweep.json"
+FAILED_FILE = "failed.json"
+SUMMARY_FILE = "summary.json"
+CONFIG_FILE = "config.toml"
+MAX_RUNS_WITHOUT_YES = 100  # more runs than this to launch needs --yes
+MAX_SESSIONS = 100  # sessions kept in sweep.json
+
+
+# ---- the state of one run -----------------------------------------------------------------
+@dataclass(frozen=True)
+class RunState:
+    """done (summary at max_steps), failed (failed.json), partial (checkpoints), pending."""
+
+    status: str
+    step: int = 0
+    final_val_loss: float | None = None
+    note: str = ""
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def run_state(run: Run) -> RunState:
+    from qkvlab.train.checkpoint import ckpt_step, list_checkpoints
+
+    run_dir = run.run_dir
+    summary = _read_json(run_dir / SUMMARY_FILE)
+    max_steps = run.config.train.max_steps
+    if summary and not summary.get("interrupted") and int(summary.get("steps") or 0) >= max_steps:
+        return RunState("done", int(summary["steps"]), summary.get("final_val_loss"))
+    failed = _read_json(run_dir / FAILED_FILE)
+    ckpts = list_checkpoints(run_dir)
+    step = (ckpt_step(ckpts[-1]) or 0) if ckpts else 0
+    if failed:
+        return RunState("failed", step, None, str(failed.get("error", "")))
+    if ckpts:
+        return RunState("partial", step)
+    return RunState("pending")
+
+
+# ---- machine and command records ----------------------------------------------------------
+def machine_info() -> dict[str, Any]:
+    """What a result depends on: CPU, accelerators, library versions (no host names)."""
+    import torch
+
+    from qkvlab import __version__
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "qkvlab": __version__,
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return info
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
+
+
+def _join(parts: list[str]) -> str:
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def sweep_command_line(args: argparse.Namespace, out: Path) -> str:
+    """The canonical command line of this invocation (for the record and the report)."""
+    parts = ["qkvlab", "sweep", str(args.spec), "--out", str(out)]
+    for name in getattr(args, "only", None) or []:
+        parts += ["--only", name]
+    if getattr(args, "seeds", None):
+        parts += ["--seeds", args.seeds]
+    for item in getattr(args, "overrides", None) or []:
+        parts += ["--set", item]
+    if getattr(args, "launcher", None):
+        parts += ["--launcher", args.launcher]
+    return _join(parts)
+
+
+# ---- checks before anything is trained -----------------------------------------------------
+def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any]:
+    """The folder's record, merged with this spec's groups; refuses a folder of another spec."""
+    path = out / SWEEP_FILE
+    if path.is_file():
+        record = _read_json(path)
+        if record is None or not isinstance(record.get("groups"), dict):
+            raise QkvlabError(f"{path} is unreadable: it is not a sweep record (move it away "
+                              "or choose another --out)")
+        if record.get("spec") != spec.name:
+            raise QkvlabError(f"{out} holds the sweep of spec {record.get('spec')!r}, not "
+                              f"{spec.name!r}: choose another --out")
+        for g in groups:
+            old = record["groups"].get(g.name)
+            if old is None or old.get("fingerprint") == g.fingerprint:
+                continue
+            diff = identity_diff(old.get("identity", {}), g.identity)
+            if diff:
+                raise QkvlabError(
+                    f"{out} was made by a different version of spec {spec.name}: variant "
+                    f"{g.name} differs at {'; '.join(diff[:4])}: choose another --out (or "
+                    "restore the spec)")
+    else:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise QkvlabError(f"{out} exists and is not a sweep folder (no {SWEEP_FILE}): "
+                              "choose another --out")
+        record = {"format": 1, "spec": spec.name, "created": now_iso(), "groups": {},
+                  "sessions": []}
+    for g in groups:
+        record["groups"][g.name] = {
+            "fingerprint": g.fingerprint, "variant": g.variant, "family": g.family,
+            "point": g.point, "baseline": g.baseline, "identity": g.identity,
+        }
+    record["fingerprint"] = spec.fingerprint(groups)
+    return record
+
+
+def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
+    from qkvlab.train.fsutil import write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / SPEC_COPY, f"# spec {spec.name}, as resolved by qkvlab sweep from "
+                                       f"{spec.source}\n" + spec.to_toml())
+    write_text_atomic(out / SWEEP_FILE, json.dumps(record, indent=1) + "\n")
+
+
+def check_run_dirs(runs: list[Run]) -> None:
+    """A run folder that exists must hold this run: same trajectory-deciding config, same seed."""
+    from qkvlab.train.config import load_config
+
+    for run in runs:
+        path = run.run_dir / CONFIG_FILE
+        if not path.is_file():
+            continue
+        try:
+            saved = load_config(path)
+        except QkvlabError as exc:
+            raise QkvlabError(f"run folder {run.run_dir} has a config qkvlab rejects ({exc}): "
+                              "move the folder away or choose another --out") from None
+        diff = identity_diff(config_identity(saved), config_identity(run.config))
+        if saved.train.seed != run.seed:
+            diff.insert(0, f"train.seed ({saved.train.seed} -> {run.seed})")
+        if diff:
+            raise QkvlabError(f"run folder {run.run_dir} was trained with another config "
+                              f"({'; '.join(diff[:4])}): it is not this spec's run; move it away "
+                              "or choose another --out")
+
+
+def _data_vocab(data_dir: Path) -> tuple[int, str] | None:
+    meta = _read_json(data_dir / "meta.json")
+    if meta is None:
+        return None
+    try:
+        return int(meta["vocab_size"]), str(meta["tokenizer"])
+    except (KeyError, TypeError, ValueError):
+        raise QkvlabError(f"{data_dir / 'meta.json'} is malformed: re-run `qkvlab prepare` for "
+                          f"{data_dir} (with --force)") from None
+
+
+def preflight_data(runs: list[Run], prepare: bool, say) -> list[str]:
+    """Check every run's data (and prepare the embedded corpus when `prepare`).
+
+    Returns notes for the dry run (what would be prepared). Refusals are QkvlabErrors naming
+    the `qkvlab prepare` command, raised before any run starts.
+    """
+    from qkvlab.train import objectives
+    from qkvlab.train.config import EMBEDDED_SOURCE
+
+    notes: list[str] = []
+    checked: dict[str, tuple[int, str] | None] = {}
+    for run in runs:
+        dc = run.config.data
+        if dc.dir not in checked:
+            data_dir = Path(dc.dir)
+            found = _data_vocab(data_dir)
+            if found is None:
+                if not (dc.prepare_if_missing and dc.source == EMBEDDED_SOURCE):
+                    problem = (f"no prepared data at {data_dir} (variant {run.group.name}): run "
+                               f"`{dc.prepare_hint()}` first")
+                    if prepare:
+                        raise QkvlabError(problem)
+                    notes.append(f"[red]missing data[/]: {problem}")
+                    checked[dc.dir] = None
+                    continue
+                if prepare:
+                    from qkvlab.train.trainer import open_data
+
+                    open_data(dc, say)
+                    found = _data_vocab(data_dir)
+                else:
+                    notes.append(f"{data_dir}: not prepared yet; the sweep prepares it "
+                                 f"({dc.source}, {dc.tokenizer} tokenizer)")
+            checked[dc.dir] = found
+        found = checked[dc.dir]
+        if found is None:
+            continue
+        vocab, tokenizer = found
+        if tokenizer != dc.tokenizer:
+            raise QkvlabError(f"data dir {dc.dir} was prepared with tokenizer {tokenizer} but "
+                              f"variant {run.group.name} says data.tokenizer = {dc.tokenizer}")
+        model_vocab = run.config.model.vocab_size
+        if model_vocab < vocab:
+            raise QkvlabError(f"variant {run.group.name}: model.vocab_size = {model_vocab} is "
+                              f"smaller than the vocabulary of {dc.dir} ({vocab}): add "
+                              f"\"model.vocab_size={vocab}\" to the spec's set")
+        objectives.check_objective(run.config, vocab)
+    return notes
+
+
+# ---- tables --------------------------------------------------------------------------------
+def _console(stderr: bool) -> Console:
+    console = Console(stderr=stderr)
+    if not console.is_terminal:
+        console.width = LOG_WIDTH
+    return console
+
+
+def _cell(state: RunState, max_steps: int) -> str:
+    if state.status == "done":
+        loss = state.final_val_loss
+        return f"done {loss:.4f}" if loss is not None else "done"
+    if state.status == "partial":
+        return f"step {state.step}/{max_steps}"
+    if state.status == "failed":
+        return "[red]failed[/]"
+    return "pending"
+
+
+def progress_table(spec: Spec, runs: list[Run], states: dict[Path, RunState],
+                   title: str) -> Table:
+    seeds = list(dict.fromkeys(r.seed for r in runs))
+    table = Table(title=title)
+    table.add_column("variant")
+    for s in seeds:
+        table.add_column(f"seed {s}", justify="right")
+    by_group: dict[str, dict[int, Run]] = {}
+    for r in runs:
+        by_group.setdefault(r.group.name, {})[r.seed] = r
+    for name, row in by_group.items():
+        cells = []
+        for s in seeds:
+            r = row.get(s)
+            cells.append(_cell(states[r.run_dir], r.config.train.max_steps) if r else "")
+        table.add_row(name + (" *" if next(iter(row.values())).group.baseline else ""), *cells)
+    table.caption = "* the baseline"
+    return table
+
+
+def _speed(runs: list[Run], states: dict[Path, RunState]) -> float | None:
+    """FLOP/s the finished runs of this sweep achieved (median), for time estimates."""
+    rates = []
+    for r in runs:
+        if states[r.run_dir].status == "done":
+            s = _read_json(r.run_dir / SUMMARY_FILE) or {}
+            if s.get("tokens_per_s") and s.get("flops_per_token"):
+                rates.append(float(s["tokens_per_s"]) * float(s["flops_per_token"]))
+    rates.sort()
+    return rates[len(rates) // 2] if rates else None
+
+
+def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Table:
+    from qkvlab.model.params import count_params, flops_per_token
+
+    table = Table(title=f"spec {spec.name}: {len(runs)} runs "
+                        f"({len({r.group.name for r in runs})} variants x "
+                        f"{len({r.seed for r in runs})} seeds)")
+    for col in ("variant", "projection", "d", "MLP", "scale", "wd", "lr", "non-emb params",
+                "total params", "tokens/run", "PFLOP/run", "seeds: status"):
+        table.add_column(col, justify="left" if col in ("variant", "projection",
+                                                        "seeds: status") else "right")
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group.name, []).append(r)
+    for name, rs in groups.items():
+        cfg = rs[0].config
+        m = cfg.model
+        counts = count_params(m)
+        tokens = cfg.train.max_steps * cfg.tokens_per_step
+        pflop = tokens * flops_per_token(m) / 1e15
+        counts_by_status: dict[str, int] = {}
+        for r in rs:
+            st = states[r.run_dir].status
+            counts_by_status[st] = counts_by_status.get(st, 0) + 1
+        status = ", ".join(f"{n} {st}" for st, n in counts_by_status.items())
+        table.add_row(name + (" *" if rs[0].group.baseline else ""), m.projection,
+                      str(m.n_embd), str(m.hidden), f"{m.scale:.4g}",
+                      f"{cfg.optim.weight_decay:.4g}", f"{cfg.optim.lr:.3g}",
+                      f"{counts.non_embedding:,}", f"{counts.total:,}", f"{tokens:,}",
+                      f"{pflop:.3g}", status)
+    table.caption = "* the baseline of the paired comparisons"
+    return table
+
+
+def remaining_work(runs: list[Run], states: dict[Path, RunState]) -> tuple[int, float]:
+    """(tokens, FLOPs) still to train over the runs that are not done."""
+    from qkvlab.model.params import flops_per_token
+
+    tokens, flops = 0, 0.0
+    for r in runs:
+        st = states[r.run_dir]
+        if st.status == "done":
+            continue
+        left = max(r.config.train.max_steps - st.step, 0) * r.config.tokens_per_step
+        tokens += left
+        flops += left * flops_per_token(r.config.model)
+    return tokens, flops
+
+
+# ---- the command ---------------------------------------------------------------------------
+def _parse_seeds(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise QkvlabError(f"--seeds {text!r}: give comma-separated integers, e.g. 1,2,3") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise QkvlabError(f"--seeds {text!r}: give distinct integers >= 0, e.g. 1,2,3")
+    return seeds
+
+
+def _parse_only(items: list[str] | None) -> list[str] | None:
+    names = [n.strip() for item in items or [] for n in item.split(",") if n.strip()]
+    return names or None
+
+
+def list_specs() -> int:
+    names = spec_names()
+    width = max(len(n) for n in names)
+    print("shipped specs (qkvlab sweep NAME --dry-run shows the runs):")
+    for name in names:
+        print(f"  {name:<{width}}  {spec_summary(name)}")
+    return 0
+
+
+def train_command_for(run: Run, launcher: str | None) -> list[str]:
+    """The self-contained command that trains (or resumes) one run from its folder."""
+    tail = ["train", str(run.run_dir.resolve()), "--resume"]
+    if launcher:
+        return [*shlex.split(launcher), "-m", "qkvlab", *tail]
+    return ["qkvlab", *tail]
+
+
+def materialize(run: Run) -> None:
+    """Write the run's config.toml, so `qkvlab train RUN_DIR --resume` can start it."""
+    from qkvlab.train.config import save_config
+
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(dataclasses.replace(run.config, out_dir=str(run.run_dir)),
+                run.run_dir / CONFIG_FILE)
+
+
+def _record_failure(run: Run, error: str) -> None:
+    from qkvlab.train.fsutil import write_text_atomic
+
+    run.run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run.run_dir / FAILED_FILE, json.dumps({
+        "error": error, "diverged": "diverged" in error, "time": now_iso(),
+    }, indent=1) + "\n")
+
+
+def sweep_command(args: argparse.Namespace) -> int:
+    if not args.spec:
+        return list_specs()
+    spec = load_spec(args.spec)
+    out = Path(args.out) if args.out else spec.default_out
+    overrides = list(getattr(args, "overrides", None) or [])
+    groups = spec.groups(overrides)
+    runs = spec.runs(out, seeds=_parse_seeds(args.seeds), only=_parse_only(args.only),
+                     groups=groups)
+    console = _console(stderr=bool(args.print_commands))
+    record = check_sweep_dir(out, spec, groups)
+    check_run_dirs(runs)
+    states = {r.run_dir: run_state(r) for r in runs}
+    retry = bool(getattr(args, "retry_failed", False))
+    todo = [r for r in runs if states[r.run_dir].status in ("pending", "partial")
+            or (retry and states[r.run_dir].status == "failed")]
+
+    if args.dry_run:
+        notes = preflight_data(runs, prepare=False, say=console.print)
+        console.print(plan_table(spec, runs, states))
+        tokens, flops = remaining_work(runs, states)
+        done = sum(states[r.run_dir].status == "done" for r in runs)
+        failed = sum(states[r.run_dir].status == "failed" for r in runs)
+        console.print(f"{len(runs)} runs in {out}: {done} done, {failed} failed, {len(todo)} to "
+                      f"run ({tokens:,} tokens, {flops / 1e15:.3g} PFLOP left)")
+        speed = _speed(runs, states)
+        if speed and flops:
+            console.print(f"at the speed of the finished runs ({speed / 1e9:.3g} GFLOP/s): "
+                          f"about {flops / speed / 3600:.2g} hours")
+        for note in notes:
+            console.print(note)
+        if len(todo) > MAX_RUNS_WITHOUT_YES:
+            console.print(f"running them needs --yes (more than {MAX_RUNS_WITHOUT_YES} runs)")
+        return 0
+
+    if len(todo) > MAX_RUNS_WITHOUT_YES and not args.yes:
+        raise QkvlabError(f"spec {spec.name} would launch {len(todo):,} runs (more than "
+                          f"{MAX_RUNS_WITHOUT_YES}): check them with --dry-run, narrow them with "
+                          "--only/--seeds, or pass --yes")
+    preflight_data(runs, prepare=True, say=console.print)
+    record.setdefault("sessions", []).append({
+        "command": sweep_command_line(args, out), "cwd": str(Path.cwd()), "started": now_iso(),
+        "mode": "print-commands" if args.print_commands else "run", "machine": machine_info(),
+    })
+    record["sessions"] = record["sessions"][-MAX_SESSIONS:]
+    write_sweep_record(out, record, spec)
+
+    if args.print_commands:
+        cwd = shlex.quote(str(Path.cwd()))
+        for run in todo:
+            materialize(run)
+            print(f"cd {cwd} && {_join(train_command_for(run, args.launcher))}")
+        console.print(f"{len(todo)} command(s) for spec {spec.name}; then: qkvlab report {out}")
+        return 0
+
+    console.print(progress_table(spec, runs, states, f"sweep {spec.name} in {out}: before"))
+    stopped, failures = False, []
+    for i, run in enumerate(todo):
+        state = states[run.run_dir]
+        resume = f", resuming at step {state.step}" if state.status == "partial" else ""
+        what = run.group.description or run.group.variant
+        console.print(f"[bold][{i + 1}/{len(todo)}] {run.label}[/] ({what}{resume}) -> "
+                      f"{run.run_dir}")
+        (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
+        if args.launcher:
+            materialize(run)
+            rc = subprocess.run(train_command_for(run, args.launcher)).returncode
+            if rc in (130, -2):  # interrupted (SIGINT): stop the sweep, like a single run
+                stopped = True
+                break
+            if rc != 0:
+                _record_failure(run, f"{args.launcher} exited with status {rc}")
+                failures.append(run)
+                continue
+        else:
+            from qkvlab.train.trainer import train
+
+            try:
+                summary = train(run.config, resume=True)
+            except QkvlabError as exc:
+                _record_failure(run, str(exc))
+                failures.append(run)
+                console.print(f"[red]{run.label} failed[/]: {exc}")
+                continue
+            if summary.get("interrupted"):
+                stopped = True
+                break
+        states[run.run_dir] = run_state(run)
+
+    states = {r.run_dir: run_state(r) for r in runs}
+    console.print(progress_table(spec, runs, states, f"sweep {spec.name} in {out}: now"))
+    if stopped:
+        console.print(f"stopped; run the same command to resume: {sweep_command_line(args, out)}")
+        return 130
+    if failures:
+        console.print(f"{len(failures)} run(s) failed (failed.json in their folders); they are "
+                      "skipped on the next sweep unless you pass --retry-failed")
+        return 2
+    left = sum(states[r.run_dir].status != "done" for r in runs)
+    if left == 0:
+        console.print(f"all {len(runs)} runs done; report: qkvlab report {out}")
+    return 0
+

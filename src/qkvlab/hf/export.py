@@ -1,0 +1,280 @@
+"""`qkvlab export CHECKPOINT --format hf OUT_DIR`: a transformers model directory.
+
+The directory holds config.json (GPT2LMHeadModel), model.safetensors, the tokenizer files where
+Hugging Face has a matching tokenizer (gpt2: vocab.json + merges.txt; bpe:N: tokenizer.json), and
+qkvlab_tokenizer/ (qkvlab's own tokenizer tables, so `qkvlab import-hf` restores sampling for
+char/bytes models too). `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it with no custom
+code; when transformers is installed the export is verified by comparing logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from qkvlab.errors import QkvlabError
+from qkvlab.hf.gpt2 import QKVLAB_KEY, to_gpt2
+from qkvlab.model.gpt import GPT
+
+FORMATS = ("hf",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+QKVLAB_TOKENIZER_DIR = "qkvlab_tokenizer"
+ENDOFTEXT = "<|endoftext|>"
+VERIFY_TOL = 1e-4  # float32 max |logit diff| above which the export is reported as wrong
+
+
+@dataclass
+class TokenizerExport:
+    """Files to write for the tokenizer, and what happened, in words."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    qkvlab_files: dict[str, bytes] = field(default_factory=dict)  # into qkvlab_tokenizer/
+    spec: str | None = None
+    vocab_size: int | None = None
+    eot_token: int | None = None
+    note: str = ""
+
+
+def find_tokenizer_dir(ckpt: Any) -> Path | None:
+    """The folder with the run's tokenizer meta.json (the same search as `qkvlab sample`)."""
+    from qkvlab.train.trainer import TOKENIZER_DIR
+
+    for folder in (ckpt.run_dir / TOKENIZER_DIR, ckpt.path / TOKENIZER_DIR,
+                   Path(ckpt.config.data.dir)):
+        if (folder / "meta.json").is_file():
+            return folder
+    return None
+
+
+def tokenizer_export(ckpt: Any, block_size: int) -> TokenizerExport:
+    """The Hugging Face tokenizer files of a checkpoint's tokenizer, where one exists."""
+    from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, TOKENIZER_FILES
+
+    out = TokenizerExport()
+    folder = find_tokenizer_dir(ckpt)
+    if folder is None:
+        out.note = ("no tokenizer found (no tokenizer/ in the run, no data at "
+                    f"{ckpt.config.data.dir}): tokenizer files skipped")
+        return out
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise QkvlabError(f"cannot read {folder / 'meta.json'} ({exc}): re-run qkvlab prepare"
+                          ) from None
+    spec = str(meta.get("tokenizer", ""))
+    out.spec, out.vocab_size = spec, meta.get("vocab_size")
+    out.eot_token = meta.get("eot_token")
+    keep = {"tokenizer": spec, "vocab_size": out.vocab_size, "eot_token": out.eot_token}
+    out.qkvlab_files["meta.json"] = (json.dumps(keep, indent=1) + "\n").encode()
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            out.qkvlab_files[name] = (folder / name).read_bytes()
+    special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
+    if spec == "gpt2":
+        from qkvlab.data.cache import fetch_file
+
+        try:
+            out.files["vocab.json"] = fetch_file(GPT2_ENCODER).read_bytes()
+            out.files["merges.txt"] = fetch_file(GPT2_VOCAB_BPE).read_bytes()
+        except QkvlabError as exc:
+            out.note = f"GPT-2 tokenizer files unavailable ({exc}): tokenizer files skipped"
+            return out
+        tok_cfg = {"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
+                   "model_max_length": block_size, **special}
+        out.eot_token = 50256
+        out.note = "gpt2 tokenizer: vocab.json + merges.txt (GPT2Tokenizer)"
+    elif spec.startswith("bpe:") and (folder / BPE_FILE).is_file():
+        out.files["tokenizer.json"] = (folder / BPE_FILE).read_bytes()
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": block_size}
+        if out.eot_token is not None:
+            tok_cfg.update(special)
+        out.note = f"{spec} tokenizer: tokenizer.json (PreTrainedTokenizerFast)"
+    else:
+        out.note = (f"the {spec} tokenizer has no standard Hugging Face equivalent: no HF "
+                    f"tokenizer files (qkvlab's own tables are in {QKVLAB_TOKENIZER_DIR}/)")
+        return out
+    out.files["tokenizer_config.json"] = (json.dumps(tok_cfg, indent=1) + "\n").encode()
+    if "bos_token" in tok_cfg:
+        out.files["special_tokens_map.json"] = (json.dumps(special, indent=1) + "\n").encode()
+    return out
+
+
+def _check_out_dir(out: Path, source: Path) -> None:
+    if out.resolve() == source.resolve() or source.resolve() in out.resolve().parents:
+        raise QkvlabError(f"OUT_DIR {out} is inside the source checkpoint: choose another folder")
+    if out.exists():
+        if not out.is_dir():
+            raise QkvlabError(f"OUT_DIR {out} exists and is a file: choose a new folder")
+        previous = out / CONFIG_FILE
+        is_ours = False
+        if previous.is_file():
+            try:
+                is_ours = QKVLAB_KEY in json.loads(previous.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                is_ours = False
+        if any(out.iterdir()) and not is_ours:
+            # the folder is replaced as a whole: never replace someone else's
+            raise QkvlabError(f"OUT_DIR {out} exists, is not empty and is not a qkvlab export: "
+                              "choose a new folder")
+
+
+def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                    files: dict[str, bytes] | None = None,
+                    subdirs: dict[str, dict[str, bytes]] | None = None) -> Path:
+    """Write a model directory atomically (a temp sibling renamed into place)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-hf-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
+        for sub, sub_files in (subdirs or {}).items():
+            if sub_files:
+                (tmp / sub).mkdir()
+                for name, data in sub_files.items():
+                    (tmp / sub / name).write_bytes(data)
+        old = None
+        if out.exists():
+            old = out.parent / f".old-hf-{out.name}-{uuid.uuid4().hex[:8]}"
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_hf_model(model_dir: Path) -> torch.nn.Module:
+    """transformers' AutoModelForCausalLM of `model_dir` in float32 eval mode, quietly."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would clutter the summary
+    try:
+        # use_safetensors: never fall back to a pytorch_model.bin there (a pickle)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), use_safetensors=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+    return model.float().eval()
+
+
+@torch.no_grad()
+def hf_logit_diff(model: GPT, model_dir: Path, *, seed: int = 0, batch: int = 2,
+                  length: int = 32) -> float:
+    """max |logits| difference between `model` and transformers' load of `model_dir`, float32.
+
+    Needs transformers. Random token ids; both models in eval mode on the CPU.
+    """
+    hf = load_hf_model(model_dir)
+    ours = model.float().eval().cpu()
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(model.cfg.vocab_size, (batch, min(length, model.cfg.block_size)),
+                        generator=gen)
+    a = ours(idx)[0]
+    b = hf(input_ids=idx).logits
+    return float((a - b).abs().max())
+
+
+@dataclass
+class ExportResult:
+    out: Path
+    files: list[str]
+    tokenizer_note: str
+    scheme_note: str
+    max_logit_diff: float | None  # None: transformers not installed, not verified
+
+
+def scheme_note(model: GPT) -> str:
+    """How the model's projection scheme was written into GPT-2's c_attn block."""
+    import math
+
+    cfg = model.cfg
+    r = cfg.scale * math.sqrt(cfg.d_head)
+    ratio = "" if r == 1.0 else f" (scale ratio s*sqrt(d_k) = {r:g} folded in)"
+    text = {
+        "baseline": f"W_Q, W_K, W_V written as they are{ratio}",
+        "q-identity": f"W_Q = I written as {r:g} I in the query block",
+        "k-identity": f"W_K = I written as {r:g} I in the key block",
+        "v-identity": f"W_V = I written as I in the value block{ratio}",
+    }[cfg.projection]
+    if cfg.kv_heads != cfg.n_head:
+        text += f"; {cfg.kv_heads} key/value heads repeated to {cfg.n_head}"
+    if cfg.share_layers:
+        text += f"; the shared block written {cfg.n_layer} times"
+    if cfg.positions == "none":
+        text += "; positions=none written as a zero position table"
+    return text
+
+
+def export_checkpoint(path: str | Path, out: str | Path, *, fmt: str = "hf",
+                      dtype: str = "float32", verify: bool = True) -> ExportResult:
+    """Export a qkvlab checkpoint (run or checkpoint folder) as a transformers GPT-2 folder."""
+    from qkvlab.train.checkpoint import load_model
+
+    if fmt not in FORMATS:
+        raise QkvlabError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
+    if dtype not in DTYPES:
+        raise QkvlabError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    model, ckpt = load_model(path, "cpu")
+    out = Path(out).expanduser()
+    _check_out_dir(out, ckpt.path)
+    tok = tokenizer_export(ckpt, model.cfg.block_size)
+    if tok.vocab_size is not None and tok.vocab_size > model.cfg.vocab_size:
+        raise QkvlabError(f"mismatched vocabularies: the {tok.spec} tokenizer has "
+                          f"{tok.vocab_size} tokens but the model only {model.cfg.vocab_size}")
+    model = model.to(DTYPES[dtype])
+    extra = {"source": str(ckpt.path), "step": ckpt.step, "data": ckpt.config.to_dict()["data"],
+             "tokenizer": tok.spec}
+    config, tensors = to_gpt2(model, eot_token=tok.eot_token, extra=extra)
+    write_model_dir(out, config, tensors, tok.files, {QKVLAB_TOKENIZER_DIR: tok.qkvlab_files})
+    diff = None
+    if verify and transformers_available():
+        diff = hf_logit_diff(model, out)
+    files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    return ExportResult(out, files, tok.note, scheme_note(model), diff)
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """Export, then print where, what was written, and the verified logit difference."""
+    result = export_checkpoint(args.path, args.out_dir, fmt=args.format, dtype=args.dtype,
+                               verify=not args.no_verify)
+    print(f"exported {args.path} -> {result.out} (transformers GPT2LMHeadModel, {args.dtype})")
+    print(f"  {result.scheme_note}")
+    print(f"  tokenizer: {result.tokenizer_note}")
+    print(f"  files: {', '.join(result.files)}")
+    if result.max_logit_diff is None:
+        why = "--no-verify" if args.no_verify else "transformers is not installed"
+        print(f"  not verified ({why}); load with "
+              f"AutoModelForCausalLM.from_pretrained({str(result.out)!r})")
+    else:
+        ok = result.max_logit_diff <= VERIFY_TOL or args.dtype != "float32"
+        print(f"  verified with transformers: max |logit diff| {result.max_logit_diff:.2e}"
+              f"{'' if ok else ' (LARGER than expected: please report)'}")
+    return 0

@@ -1,0 +1,376 @@
+"""qkvlab GPT <-> the GPT-2 architecture of Hugging Face `transformers` (GPT2LMHeadModel).
+
+Pure tensor and dict work: nothing here imports `transformers`.
+
+GPT-2's layout, as `transformers` stores it:
+  * `Conv1D` weights are (in, out), the transpose of `nn.Linear`'s (out, in);
+  * `attn.c_attn` packs the query, key and value columns side by side: [q | k | v], each d wide;
+  * every Conv1D and LayerNorm has a bias (a qkvlab model with bias=false exports zeros);
+  * logits are scaled by 1/sqrt(d_k) (`scale_attn_weights`), or by 1 without it.
+
+Why W_Q = I exports to plain GPT-2: the identity query is the linear map q = x I, and GPT-2's
+query block may hold any d x d matrix. qkvlab's scale s differs from GPT-2's 1/sqrt(d_k) by the
+ratio r = s sqrt(d_k) (0.5 for the paper's halved scale), and r folds into the query block:
+(x r I) k^T / sqrt(d_k) = s x k^T. The same trick writes W_K = I or W_V = I, a non-default
+scale, a GQA model (its key/value heads repeated per query head), shared layers (the block
+written once per layer) and positions=none (a zero position table). What GPT-2 cannot compute
+at all (RoPE, RMSNorm, the nonlinear query, other skip layouts, bidirectional attention) is
+refused with the reason: qkvlab ships no `trust_remote_code` model code.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from qkvlab import __version__
+from qkvlab.errors import QkvlabError
+from qkvlab.model.config import ModelConfig
+from qkvlab.model.gpt import GPT
+
+GPT2_EPS = 1e-5  # transformers' default layer_norm_epsilon, and nn.LayerNorm's (qkvlab's)
+# qkvlab activation -> transformers `activation_function` that computes the same thing.
+# "gelu" in transformers is the exact erf GELU (GPT-2's own "gelu_new" is the tanh one).
+ACT_TO_HF = {"gelu": "gelu", "relu": "relu", "gelu_tanh": "gelu_pytorch_tanh"}
+# transformers activation -> qkvlab; gelu_new / gelu_fast are the same tanh formula.
+HF_TO_ACT = {"gelu": "gelu", "gelu_python": "gelu", "relu": "relu", "gelu_new": "gelu_tanh",
+             "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+QKVLAB_KEY = "qkvlab"  # config.json entry recording where an export came from
+# Buffers of old GPT-2 checkpoints (the causal mask): not weights, ignored on import.
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+# Identity blocks are detected to this relative precision of the scale (float32 rounding of
+# r = s sqrt(d_k) in the export).
+SCALE_RTOL = 1e-6
+
+
+def export_problem(cfg: ModelConfig) -> str | None:
+    """Why `cfg` cannot be written as a GPT-2 model, or None when it can (exactly)."""
+    base = "GPT-2 (transformers, no custom code) cannot express"
+    if not cfg.causal:
+        return f"{base} a bidirectional encoder (causal=false): its attention is causal"
+    if cfg.norm != "layernorm":
+        return f"{base} norm={cfg.norm}: it has LayerNorm only"
+    if cfg.positions == "rope":
+        return f"{base} positions=rope: it has learned absolute positions only"
+    if cfg.residual != "full":
+        return (f"{base} residual={cfg.residual}: its blocks are x + attn(ln1 x), then "
+                "+ mlp(ln2 x)")
+    if cfg.projection == "nonlinear-q":
+        return (f"{base} the nonlinear query Q(X) = (X + f(X))/2: its query is a linear "
+                "projection")
+    if cfg.n_head * cfg.d_head != cfg.n_embd:
+        return (f"{base} head_dim={cfg.d_head} with n_head={cfg.n_head}, n_embd={cfg.n_embd}: "
+                "its head size is n_embd / n_head")
+    if cfg.activation not in ACT_TO_HF:
+        return f"{base} activation={cfg.activation}"
+    return None
+
+
+def _hf_name(key: str) -> str:
+    return key if key.startswith("lm_head.") else f"transformer.{key}"
+
+
+def _repeat_heads(w: torch.Tensor, n_head: int, n_kv: int, d_head: int) -> torch.Tensor:
+    """Key/value columns (d, n_kv * dk) -> (d, n_head * dk): query head h reads kv head
+    h // (n_head / n_kv), as torch's SDPA with enable_gqa does."""
+    if n_kv == n_head:
+        return w
+    lead = w.shape[:-1]
+    return w.reshape(*lead, n_kv, d_head).repeat_interleave(n_head // n_kv, dim=-2) \
+        .reshape(*lead, n_head * d_head)
+
+
+def to_gpt2(model: GPT, *, eot_token: int | None = None,
+            extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config.json dict, safetensors dict) of a GPT2LMHeadModel computing `model`'s logits.
+
+    Raises QkvlabError (one line, the reason) when the architecture cannot be expressed.
+    Tensors keep the model's dtype and live on the CPU.
+    """
+    cfg = model.cfg
+    problem = export_problem(cfg)
+    if problem is not None:
+        raise QkvlabError(f"cannot export as GPT-2: {problem}; no exact export exists (train "
+                          "with a GPT-2-compatible config, see docs/hf.md)")
+    d, H, dk, Hkv = cfg.n_embd, cfg.n_head, cfg.d_head, cfg.kv_heads
+    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    ref = sd["wte.weight"]
+    zeros = lambda n: torch.zeros(n, dtype=ref.dtype)  # noqa: E731 - local shorthand
+    eye = torch.eye(d, dtype=ref.dtype)
+    # GPT-2 multiplies q.k by 1/sqrt(dk): the remaining factor r goes into a weight block.
+    r = cfg.scale * math.sqrt(dk)
+    out: dict[str, torch.Tensor] = {}
+    for i, block in model.layers():
+        j = 0 if cfg.share_layers else i
+        p, h = f"blocks.{j}.", f"h.{i}."
+        w = sd[p + "attn.in_proj.weight"].T  # (d, sum(sizes)): columns [q | k | v]
+        b = sd.get(p + "attn.in_proj.bias")
+        parts_w = dict(zip("qkv", w.split(block.attn.sizes, dim=1), strict=True))
+        parts_b = (dict(zip("qkv", b.split(block.attn.sizes), strict=True)) if b is not None
+                   else {n: None for n in "qkv"})
+        blocks_w, blocks_b = {}, {}
+        for n in "qkv":
+            if parts_w[n].shape[1] == 0:  # the identity projection of this scheme
+                blocks_w[n], blocks_b[n] = eye.clone(), zeros(d)
+            else:
+                bw = parts_w[n]
+                bb = parts_b[n] if parts_b[n] is not None else zeros(bw.shape[1])
+                if n in "kv":
+                    bw = _repeat_heads(bw, H, Hkv, dk)
+                    bb = _repeat_heads(bb, H, Hkv, dk)
+                blocks_w[n], blocks_b[n] = bw, bb
+        # the scale ratio rides on the identity block of q/k-identity (so an import can read
+        # the scale back off it), on the query block otherwise
+        carrier = "k" if cfg.projection == "k-identity" else "q"
+        if r != 1.0:
+            blocks_w[carrier] = blocks_w[carrier] * r
+            blocks_b[carrier] = blocks_b[carrier] * r
+        out[h + "attn.c_attn.weight"] = torch.cat([blocks_w[n] for n in "qkv"], dim=1)
+        out[h + "attn.c_attn.bias"] = torch.cat([blocks_b[n] for n in "qkv"])
+        out[h + "attn.c_proj.weight"] = sd[p + "attn.out_proj.weight"].T
+        out[h + "attn.c_proj.bias"] = sd.get(p + "attn.out_proj.bias", zeros(d))
+        out[h + "mlp.c_fc.weight"] = sd[p + "mlp.fc_in.weight"].T
+        out[h + "mlp.c_fc.bias"] = sd.get(p + "mlp.fc_in.bias", zeros(cfg.hidden))
+        out[h + "mlp.c_proj.weight"] = sd[p + "mlp.fc_out.weight"].T
+        out[h + "mlp.c_proj.bias"] = sd.get(p + "mlp.fc_out.bias", zeros(d))
+        for src, dst in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            out[h + f"{dst}.weight"] = sd[p + f"{src}.weight"]
+            out[h + f"{dst}.bias"] = sd.get(p + f"{src}.bias", zeros(d))
+    out["wte.weight"] = sd["wte.weight"]
+    out["wpe.weight"] = sd.get("wpe.weight", torch.zeros(cfg.block_size, d, dtype=ref.dtype))
+    out["ln_f.weight"] = sd["norm_f.weight"]
+    out["ln_f.bias"] = sd.get("norm_f.bias", zeros(d))
+    tensors = {_hf_name(k): v.contiguous().clone() for k, v in out.items()}
+    if not cfg.tie_embeddings:
+        tensors["lm_head.weight"] = sd["lm_head.weight"].contiguous().clone()
+
+    p_drop = float(cfg.dropout)
+    config: dict[str, Any] = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.block_size,
+        "n_embd": d,
+        "n_layer": cfg.n_layer,
+        "n_head": H,
+        "n_inner": cfg.hidden,
+        "activation_function": ACT_TO_HF[cfg.activation],
+        "resid_pdrop": p_drop,
+        "embd_pdrop": p_drop,
+        "attn_pdrop": p_drop,
+        "layer_norm_epsilon": GPT2_EPS,
+        "initializer_range": float(cfg.init_std),
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "add_cross_attention": False,
+        "tie_word_embeddings": bool(cfg.tie_embeddings),
+        "use_cache": True,
+        # GPT2Config defaults these to 50256: wrong (out of range) for other vocabularies
+        "bos_token_id": eot_token,
+        "eos_token_id": eot_token,
+        "torch_dtype": str(ref.dtype).removeprefix("torch."),
+        QKVLAB_KEY: {"version": __version__, "model": cfg.to_dict(), **(extra or {})},
+    }
+    return config, tensors
+
+
+# ---- import -----------------------------------------------------------------------------------
+
+def _field(config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for name in names:
+        if name in config and config[name] is not None:
+            return config[name]
+    return default
+
+
+def _need_int(config: dict[str, Any], *names: str, default: int | None = None) -> int:
+    value = _field(config, *names, default=default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise QkvlabError(f"config.json: {names[0]} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_gpt2_config(config: dict[str, Any]) -> None:
+    """Refuse (one line) a config.json that is not a GPT-2 qkvlab can reproduce exactly."""
+    model_type = config.get("model_type")
+    if model_type != "gpt2":
+        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        raise QkvlabError(
+            f"config.json has model_type={model_type!r} ({arch}): only GPT-2-architecture "
+            "models (model_type gpt2) can be imported")
+    if config.get("add_cross_attention"):
+        raise QkvlabError("config.json: add_cross_attention=true (an encoder-decoder GPT-2): "
+                          "qkvlab has no cross-attention")
+    if config.get("scale_attn_by_inverse_layer_idx"):
+        raise QkvlabError("config.json: scale_attn_by_inverse_layer_idx=true scales layer l's "
+                          "logits by 1/(l+1); qkvlab has one scale for all layers")
+    eps = float(_field(config, "layer_norm_epsilon", default=GPT2_EPS))
+    if not math.isclose(eps, GPT2_EPS, rel_tol=1e-9):
+        raise QkvlabError(f"config.json: layer_norm_epsilon={eps:g}, but qkvlab's LayerNorm uses "
+                          f"{GPT2_EPS:g}")
+    act = _field(config, "activation_function", default="gelu_new")
+    if act not in HF_TO_ACT:
+        raise QkvlabError(f"config.json: activation_function={act!r} is not one of "
+                          f"{', '.join(sorted(HF_TO_ACT))}")
+    d, H = _need_int(config, "n_embd", "hidden_size"), _need_int(config, "n_head",
+                                                                 "num_attention_heads")
+    if d % H:
+        raise QkvlabError(f"config.json: n_embd={d} is not divisible by n_head={H}")
+
+
+def _scalar_identity(w: torch.Tensor, b: torch.Tensor) -> float | None:
+    """c when the (d, d) block w is exactly c I with c > 0 and the bias is zero, else None."""
+    c = float(w[0, 0])
+    if c <= 0 or bool(b.any()):
+        return None
+    return c if torch.equal(w, c * torch.eye(w.shape[0], dtype=w.dtype)) else None
+
+
+def _same(values: list[float | None]) -> float | None:
+    first = values[0]
+    if first is None or any(v is None or v != first for v in values):
+        return None
+    return first
+
+
+def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+              detect: bool = True) -> tuple[GPT, list[str]]:
+    """A float32 qkvlab GPT computing the same logits as GPT2LMHeadModel(config) with `tensors`.
+
+    With `detect`, exact structure is read back rather than stored as weights: an identity
+    query/key/value block (c I) becomes projection q-/k-/v-identity with the scale it carries,
+    all-zero biases become bias=false and an all-zero position table positions=none. So an
+    export of a qkvlab model imports as the same scheme. Returns (model, notes).
+    """
+    check_gpt2_config(config)
+    notes: list[str] = []
+    d = _need_int(config, "n_embd", "hidden_size")
+    H = _need_int(config, "n_head", "num_attention_heads")
+    L = _need_int(config, "n_layer", "num_hidden_layers")
+    V = _need_int(config, "vocab_size")
+    T = _need_int(config, "n_positions", "max_position_embeddings", default=1024)
+    inner = _need_int(config, "n_inner", default=4 * d)
+    dk = d // H
+    tied = bool(config.get("tie_word_embeddings", True))
+
+    sd: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key.endswith(IGNORED_SUFFIXES):
+            continue
+        sd[key.removeprefix("transformer.")] = value.detach().to("cpu", torch.float32)
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        notes.append(f"weights stored as {', '.join(dtypes)}: upcast to float32")
+
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, d), "wpe.weight": (T, d),
+                                          "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(L):
+        h = f"h.{i}."
+        shapes.update({
+            h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+            h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+            h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+            h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+            h + "mlp.c_fc.weight": (d, inner), h + "mlp.c_fc.bias": (inner,),
+            h + "mlp.c_proj.weight": (inner, d), h + "mlp.c_proj.bias": (d,),
+        })
+    if not tied:
+        shapes["lm_head.weight"] = (V, d)
+    elif "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd.get("wte.weight", sd["lm_head.weight"])):
+            notes.append("tie_word_embeddings=true: the stored lm_head.weight is ignored, the "
+                         "head is the token embedding (as transformers does)")
+        del sd["lm_head.weight"]
+    for key in ("wte.weight", "lm_head.weight"):
+        if key in sd and key in shapes and sd[key].dim() == 2 and sd[key].shape[0] != V:
+            raise QkvlabError(f"mismatched vocabularies: config.json says vocab_size={V} but "
+                              f"{_hf_name(key)} has {sd[key].shape[0]} rows")
+    missing = [k for k in shapes if k not in sd]
+    if missing:
+        raise QkvlabError(f"the weights lack {len(missing)} GPT-2 tensor(s) of config.json's "
+                          f"shape (e.g. {_hf_name(missing[0])}): the files do not match "
+                          "config.json, or this is not a GPT2LMHeadModel checkpoint")
+    unexpected = sorted(set(sd) - set(shapes))
+    if unexpected:
+        raise QkvlabError(f"the weights hold tensors GPT-2 does not have (e.g. "
+                          f"{_hf_name(unexpected[0])}): not a plain GPT2LMHeadModel checkpoint")
+    for key, shape in shapes.items():
+        if tuple(sd[key].shape) != shape:
+            raise QkvlabError(f"{_hf_name(key)} is {list(sd[key].shape)}, but config.json "
+                              f"implies {list(shape)}")
+    bad = [k for k, v in sd.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise QkvlabError(f"non-finite weights in {_hf_name(bad[0])}: nothing to import")
+
+    # GPT-2's logit scale; identity detection below may move part of it into attn_scale.
+    hf_scale = 1.0 / math.sqrt(dk) if config.get("scale_attn_weights", True) else 1.0
+    qkv = [sd[f"h.{i}.attn.c_attn.weight"].split(d, dim=1) for i in range(L)]
+    qkv_b = [sd[f"h.{i}.attn.c_attn.bias"].split(d) for i in range(L)]
+    projection, scale = "baseline", hf_scale
+    if detect:
+        for idx, name in ((0, "q-identity"), (1, "k-identity"), (2, "v-identity")):
+            c = _same([_scalar_identity(w[idx], b[idx]) for w, b in zip(qkv, qkv_b,
+                                                                        strict=True)])
+            if c is not None and (idx < 2 or c == 1.0):  # V's scale cannot move into s
+                projection, scale = name, hf_scale * c
+                notes.append(f"every layer's {'QKV'[idx]} block is {c:g} I: imported as "
+                             f"projection={name}")
+                break
+    biases = [k for k in sd if k.endswith(".bias")]
+    bias = not detect or any(bool(sd[k].any()) for k in biases)
+    positions = "learned"
+    if detect and not bool(sd["wpe.weight"].any()):
+        positions = "none"
+        notes.append("the position table is all zeros: imported as positions=none")
+
+    p_drops = [float(_field(config, k, default=0.1)) for k in ("resid_pdrop", "embd_pdrop",
+                                                                "attn_pdrop")]
+    if len(set(p_drops)) > 1:
+        notes.append(f"dropout: qkvlab has one rate; resid/embd/attn_pdrop = {p_drops}, "
+                     f"using resid_pdrop = {p_drops[0]}")
+    cfg = ModelConfig(
+        n_layer=L, n_head=H, n_embd=d, block_size=T, vocab_size=V, mlp_hidden=inner,
+        bias=bias, dropout=p_drops[0], tie_embeddings=tied,
+        activation=HF_TO_ACT[_field(config, "activation_function", default="gelu_new")],
+        norm="layernorm", positions=positions, residual="full", projection=projection,
+        init_std=float(_field(config, "initializer_range", default=0.02)),
+    )
+    if not math.isclose(scale, cfg.default_attn_scale, rel_tol=SCALE_RTOL):
+        # the ratio went through float32: 7 significant digits give back e.g. 0.3, not
+        # 0.30000001192 (a 1e-7 relative change of the logits, far below float32 noise)
+        cfg.attn_scale = float(f"{scale:.7g}")
+        cfg.validate()
+    model = GPT(cfg)
+    new: dict[str, torch.Tensor] = {"wte.weight": sd["wte.weight"],
+                                    "norm_f.weight": sd["ln_f.weight"]}
+    if positions == "learned":
+        new["wpe.weight"] = sd["wpe.weight"]
+    if bias:
+        new["norm_f.bias"] = sd["ln_f.bias"]
+    if not tied:
+        new["lm_head.weight"] = sd["lm_head.weight"]
+    skip = {"q-identity": 0, "k-identity": 1, "v-identity": 2}.get(projection)
+    for i in range(L):
+        h, p = f"h.{i}.", f"blocks.{i}."
+        kept = [j for j in range(3) if j != skip]
+        new[p + "attn.in_proj.weight"] = torch.cat([qkv[i][j] for j in kept], dim=1).T
+        new[p + "attn.out_proj.weight"] = sd[h + "attn.c_proj.weight"].T
+        new[p + "mlp.fc_in.weight"] = sd[h + "mlp.c_fc.weight"].T
+        new[p + "mlp.fc_out.weight"] = sd[h + "mlp.c_proj.weight"].T
+        new[p + "norm1.weight"] = sd[h + "ln_1.weight"]
+        new[p + "norm2.weight"] = sd[h + "ln_2.weight"]
+        if bias:
+            new[p + "attn.in_proj.bias"] = torch.cat([qkv_b[i][j] for j in kept])
+            new[p + "attn.out_proj.bias"] = sd[h + "attn.c_proj.bias"]
+            new[p + "mlp.fc_in.bias"] = sd[h + "mlp.c_fc.bias"]
+            new[p + "mlp.fc_out.bias"] = sd[h + "mlp.c_proj.bias"]
+            new[p + "norm1.bias"] = sd[h + "ln_1.bias"]
+            new[p + "norm2.bias"] = sd[h + "ln_2.bias"]
+    if tied:
+        new["lm_head.weight"] = new["wte.weight"]
+    model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
+    model.eval()
+    return model, notes

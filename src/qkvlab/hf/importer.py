@@ -1,0 +1,284 @@
+"""`qkvlab import-hf MODEL_DIR`: a local GPT-2-architecture transformers model -> a qkvlab
+checkpoint folder (safetensors + JSON) that `qkvlab eval`, `sample`, `convert`, `retrofit` and
+`export` read.
+
+Only config.json and safetensors weights are read (json and safetensors: nothing is executed or
+unpickled). A directory with pytorch_model.bin only is refused with the conversion to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from qkvlab.errors import QkvlabError
+from qkvlab.hf.export import (
+    CONFIG_FILE,
+    QKVLAB_TOKENIZER_DIR,
+    WEIGHTS_FILE,
+    hf_logit_diff,
+    transformers_available,
+)
+from qkvlab.hf.gpt2 import QKVLAB_KEY, check_gpt2_config, from_gpt2
+from qkvlab.model.gpt import GPT
+
+INDEX_FILE = "model.safetensors.index.json"
+PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+OTHER_FORMATS = ("tf_model.h5", "flax_model.msgpack", "model.ckpt.index")
+GPT2_VOCAB = 50257
+GPT2_EOT = 50256
+CONVERT_HINT = ("load it with transformers once and save it with "
+                "model.save_pretrained(DIR, safe_serialization=True)")
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of a model directory (checked to be a GPT-2 qkvlab can reproduce)."""
+    if not model_dir.exists():
+        raise QkvlabError(f"{model_dir} does not exist: give a local transformers model folder "
+                          "(there is no hub access here)")
+    if not model_dir.is_dir():
+        raise QkvlabError(f"{model_dir} is a file: give the model folder (config.json + "
+                          "model.safetensors)")
+    path = model_dir / CONFIG_FILE
+    if not path.is_file():
+        raise QkvlabError(f"no {CONFIG_FILE} in {model_dir}: not a transformers model folder")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise QkvlabError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise QkvlabError(f"{path} is not a JSON object")
+    check_gpt2_config(config)
+    return config
+
+
+def _load(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QkvlabError(f"{path} is not a readable safetensors file ({exc})") from None
+
+
+def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The tensors of model.safetensors (or of the shards its index names); never a pickle."""
+    single, index = model_dir / WEIGHTS_FILE, model_dir / INDEX_FILE
+    if single.is_file():
+        return _load(single)
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            shards = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise QkvlabError(f"{index} is not a safetensors index ({exc})") from None
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            shard_path = model_dir / shard
+            if "/" in shard or "\\" in shard or not shard_path.is_file():
+                raise QkvlabError(f"{index} names shard {shard!r}, which is missing")
+            tensors.update(_load(shard_path))
+        return tensors
+    pickles = sorted(p.name for p in model_dir.iterdir()
+                     if p.name in PICKLE_NAMES or p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise QkvlabError(f"{model_dir} has only {', '.join(pickles)} (pickle): qkvlab never "
+                          f"unpickles files; convert to safetensors first: {CONVERT_HINT}")
+    others = sorted(p.name for p in model_dir.iterdir() if p.name in OTHER_FORMATS)
+    if others:
+        raise QkvlabError(f"{model_dir} has only {', '.join(others)}: qkvlab reads PyTorch "
+                          f"safetensors weights; {CONVERT_HINT}")
+    raise QkvlabError(f"no {WEIGHTS_FILE} in {model_dir}: the weights are missing")
+
+
+@dataclass
+class TokenizerImport:
+    """The qkvlab tokenizer folder to write (meta.json + tables), or nothing, and why."""
+
+    spec: str | None = None
+    vocab_size: int | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    note: str = ""
+
+
+def _cached_gpt2_tables() -> tuple[dict[str, int], list[str]] | None:
+    """GPT-2's encoder.json and merges from qkvlab's cache, without any download."""
+    from qkvlab.data.cache import cache_dir
+    from qkvlab.data.tokenizer import GPT2_ENCODER, GPT2_VOCAB_BPE
+
+    enc, bpe = cache_dir() / GPT2_ENCODER.dest_name, cache_dir() / GPT2_VOCAB_BPE.dest_name
+    if not (enc.is_file() and bpe.is_file()):
+        return None
+    merges = [m for m in bpe.read_text(encoding="utf-8").splitlines()[1:] if m]
+    return json.loads(enc.read_text(encoding="utf-8")), merges
+
+
+def detect_tokenizer(model_dir: Path) -> TokenizerImport:
+    """Recognise the model directory's tokenizer as one of qkvlab's (gpt2, bpe:N, or a qkvlab
+    export's own tables)."""
+    out = TokenizerImport()
+    ours = model_dir / QKVLAB_TOKENIZER_DIR
+    if (ours / "meta.json").is_file():
+        try:
+            meta = json.loads((ours / "meta.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise QkvlabError(f"{ours / 'meta.json'} is not valid JSON ({exc})") from None
+        out.spec, out.vocab_size = meta.get("tokenizer"), meta.get("vocab_size")
+        out.files = {p.name: p.read_bytes() for p in ours.iterdir() if p.is_file()}
+        out.note = f"qkvlab {out.spec} tokenizer (from {QKVLAB_TOKENIZER_DIR}/)"
+        return out
+    vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
+    if vocab.is_file() and merges.is_file():
+        try:
+            table = json.loads(vocab.read_text(encoding="utf-8"))
+            merge_lines = [m for m in merges.read_text(encoding="utf-8").splitlines()
+                           if m and not m.startswith("#version")]
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            raise QkvlabError(f"cannot read the tokenizer files of {model_dir} ({exc})") from None
+        out.vocab_size = len(table)
+        looks_gpt2 = len(table) == GPT2_VOCAB and table.get("<|endoftext|>") == GPT2_EOT
+        cached = _cached_gpt2_tables() if looks_gpt2 else None
+        if looks_gpt2 and (cached is None or (cached[0] == table and cached[1] == merge_lines)):
+            out.spec = "gpt2"
+            out.files = {"meta.json": json.dumps({"tokenizer": "gpt2", "vocab_size": GPT2_VOCAB,
+                                                  "eot_token": GPT2_EOT}).encode()}
+            out.note = ("GPT-2's tokenizer (vocab.json + merges.txt " +
+                        ("identical to GPT-2's)" if cached else "of GPT-2's size and "
+                         "end-of-text id; GPT-2's tables are not cached to compare)"))
+        else:
+            out.note = (f"vocab.json/merges.txt ({len(table)} tokens) are not GPT-2's: no qkvlab "
+                        "tokenizer; sample/eval need data prepared with the model's tokenizer")
+        return out
+    tok_json = model_dir / "tokenizer.json"
+    if tok_json.is_file():
+        from qkvlab.data.tokenizer import BPE_FILE, BPETokenizer
+
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+
+            size = HFTokenizer.from_file(str(tok_json)).get_vocab_size()
+        except Exception as exc:  # tokenizers raises plain Exception on bad files
+            raise QkvlabError(f"{tok_json} is not a readable tokenizer.json ({exc})") from None
+        out.vocab_size = size
+        if size >= 257:
+            spec = f"bpe:{size}"
+            BPETokenizer.load(model_dir, spec)  # fails (one line) if qkvlab cannot use it
+            out.spec = spec
+            out.files = {BPE_FILE: tok_json.read_bytes(),
+                         "meta.json": json.dumps({"tokenizer": spec, "vocab_size": size}).encode()}
+            out.note = f"tokenizer.json as qkvlab's {spec}"
+        else:
+            out.note = f"tokenizer.json has {size} tokens: not usable as qkvlab bpe:N"
+        return out
+    out.note = "no tokenizer files: sample/eval need data prepared with the model's tokenizer"
+    return out
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    model: GPT
+    notes: list[str]
+    tokenizer_note: str
+    max_logit_diff: float | None
+
+
+def _data_config(config: dict[str, Any], tok: TokenizerImport, data_dir: str | None,
+                 name: str) -> Any:
+    from qkvlab.data.prepare import default_data_dir
+    from qkvlab.train.config import DataConfig
+
+    if data_dir:
+        meta_path = Path(data_dir) / "meta.json"
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no meta.json): "
+                              "run qkvlab prepare first") from None
+        return DataConfig(dir=str(data_dir), source=str(meta.get("source", "unknown")),
+                          tokenizer=str(meta.get("tokenizer")), prepare_if_missing=False), meta
+    recorded = (config.get(QKVLAB_KEY) or {}).get("data")
+    if isinstance(recorded, dict):
+        try:
+            return DataConfig(**recorded), None
+        except (TypeError, QkvlabError):
+            pass  # an export from another qkvlab version: fall through
+    if tok.spec in ("gpt2", "bytes"):
+        # fixed vocabularies: the embedded corpus prepared with it is a valid eval set
+        return DataConfig(dir=str(default_data_dir("shakespeare", tok.spec)),
+                          source="shakespeare", tokenizer=tok.spec), None
+    return DataConfig(dir=f"data/{name}", source=name, tokenizer=tok.spec or "unknown",
+                      prepare_if_missing=False), None
+
+
+def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
+                     detect: bool = True, data_dir: str | None = None,
+                     verify: bool = True) -> ImportResult:
+    """Read a GPT-2 transformers folder, write a qkvlab checkpoint folder, verify the logits."""
+    from qkvlab.train.checkpoint import is_checkpoint_dir, write_checkpoint
+    from qkvlab.train.config import RunConfig
+    from qkvlab.train.trainer import TOKENIZER_DIR
+
+    model_dir = Path(model_dir).expanduser()
+    config = read_config(model_dir)
+    tensors = read_weights(model_dir)
+    model, notes = from_gpt2(config, tensors, detect=detect)
+    tok = detect_tokenizer(model_dir)
+    V = model.cfg.vocab_size
+    if tok.vocab_size is not None and tok.vocab_size > V:
+        raise QkvlabError(f"mismatched vocabularies: the tokenizer in {model_dir} has "
+                          f"{tok.vocab_size} tokens but the model only {V}")
+    name = model_dir.resolve().name or "model"
+    data_cfg, data_meta = _data_config(config, tok, data_dir, f"hf-{name}")
+    if data_meta is not None and int(data_meta.get("vocab_size", 0)) > V:
+        raise QkvlabError(f"mismatched vocabularies: --data {data_dir} has "
+                          f"{data_meta.get('vocab_size')} tokens but the model only {V}")
+    dest = Path(out).expanduser() if out else Path("runs") / f"hf-{name}"
+    if dest.resolve() == model_dir.resolve():
+        raise QkvlabError(f"--out {dest} is the model folder itself: choose another folder")
+    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
+        # write_checkpoint replaces its destination: never let it replace a foreign folder
+        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose "
+                          "a new folder")
+    run_cfg = RunConfig(model=model.cfg, data=data_cfg, name=f"hf-{name}", out_dir=str(dest))
+    step = (config.get(QKVLAB_KEY) or {}).get("step", 0)  # a qkvlab export keeps its step
+    state = {"step": step if isinstance(step, int) else 0, "kind": "imported",
+             "imported_from": str(model_dir),
+             "import_notes": notes}
+    write_checkpoint(dest, model, run_cfg, state=state)
+    if tok.files:
+        tok_dir = dest / TOKENIZER_DIR
+        shutil.rmtree(tok_dir, ignore_errors=True)
+        tok_dir.mkdir()
+        for fname, data in tok.files.items():
+            (tok_dir / fname).write_bytes(data)
+    diff = hf_logit_diff(model, model_dir) if verify and transformers_available() else None
+    return ImportResult(dest, model, notes, tok.note, diff)
+
+
+def import_command(args: argparse.Namespace) -> int:
+    """Import, then print what was read and the verified logit difference."""
+    from qkvlab.model.params import count_params
+
+    result = import_model_dir(args.model_dir, args.out, detect=not args.no_detect,
+                              data_dir=args.data, verify=not args.no_verify)
+    cfg = result.model.cfg
+    print(f"imported {args.model_dir} -> {result.out} ({cfg.n_layer} layers x {cfg.n_embd}, "
+          f"{cfg.n_head} heads, vocab {cfg.vocab_size}, context {cfg.block_size}, "
+          f"projection={cfg.projection}, {count_params(cfg).total:,} parameters)")
+    for note in result.notes:
+        print(f"  note: {note}")
+    print(f"  tokenizer: {result.tokenizer_note}")
+    if result.max_logit_diff is None:
+        why = "--no-verify" if args.no_verify else "transformers is not installed"
+        print(f"  not verified against transformers ({why})")
+    else:
+        print(f"  verified with transformers: max |logit diff| {result.max_logit_diff:.2e}")
+    return 0

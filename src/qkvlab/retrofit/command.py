@@ -1,0 +1,223 @@
+"""`qkvlab retrofit CHECKPOINT --to q-identity`: convert a trained baseline to W_Q = I, heal it,
+report the validation loss before / right after conversion / during and after healing, and write
+the healed model as a regular checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkvlab.errors import QkvlabError
+from qkvlab.model.gpt import GPT
+from qkvlab.model.params import count_params
+from qkvlab.retrofit.heal import HealConfig, HealResult, heal
+from qkvlab.retrofit.init import INITS, InitInfo, attention_moments, build_student, check_source
+
+TARGETS = ("q-identity",)
+MAX_DEFAULT_WINDOWS = 128
+CALIB_STEP_OFFSET = 1_000_000  # calibration batches: steps the healing run never reaches
+
+
+@dataclass
+class RetrofitReport:
+    """Everything the retrofit measured; losses are mean validation cross-entropy."""
+
+    source: Path
+    init: str
+    init_info: InitInfo
+    heal_config: HealConfig
+    before: float  # the original model
+    heal_result: HealResult  # curve[0] is right after conversion
+    other_inits: dict[str, float | None] = field(default_factory=dict)  # after conversion
+    params_before: int = 0
+    params_after: int = 0
+    windows: int = 0
+    block_size: int = 0
+    dest: Path | None = None
+
+    @property
+    def after_convert(self) -> float:
+        return self.heal_result.curve[0][1]
+
+    @property
+    def after_heal(self) -> float:
+        return self.heal_result.final
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "source": str(self.source), "init": self.init, "init_note": self.init_info.note,
+            "query_r2": self.init_info.query_r2, "steps": self.heal_config.steps,
+            "distill": self.heal_config.distill, "lr": self.heal_config.lr,
+            "batch_size": self.heal_config.batch_size, "val_loss_before": self.before,
+            "val_loss_after_convert": self.after_convert, "val_loss_after_heal": self.after_heal,
+            "curve": [list(p) for p in self.heal_result.curve],
+            "other_inits_after_convert": self.other_inits,
+            "params_before": self.params_before, "params_after": self.params_after,
+            "windows": self.windows, "heal_seconds": self.heal_result.seconds,
+        }
+
+    def table(self) -> str:
+        """The losses as a Markdown table (stage, steps, val loss, gap to the original)."""
+        mode = "distillation" if self.heal_config.distill else "cross-entropy"
+        rows = [("original (learned W_Q)", "-", self.before)]
+        for name, loss in self.other_inits.items():
+            rows.append((f"converted, init {name}", "0", loss))
+        rows.append((f"converted, init {self.init}", "0", self.after_convert))
+        for step, loss in self.heal_result.curve[1:]:
+            rows.append((f"healed ({mode})", str(step), loss))
+        lines = ["| stage | healing steps | val loss | vs original |", "|---|---|---|---|"]
+        for stage, steps, loss in rows:
+            if loss is None or not math.isfinite(loss):
+                lines.append(f"| {stage} | {steps} | n/a | n/a |")
+            else:
+                lines.append(f"| {stage} | {steps} | {loss:.4f} | {loss - self.before:+.4f} |")
+        return "\n".join(lines)
+
+
+def _out_dir(out: str | Path | None, ckpt_path: Path, run_dir: Path, to: str) -> Path:
+    from qkvlab.train.checkpoint import is_checkpoint_dir
+
+    dest = Path(out).expanduser() if out else run_dir / f"retrofit-{to}"
+    if dest.resolve() == ckpt_path.resolve():
+        raise QkvlabError(f"--out {dest} is the source checkpoint: choose another folder")
+    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
+        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose a "
+                          "new folder")
+    return dest
+
+
+def retrofit_checkpoint(
+    path: str | Path,
+    *,
+    to: str = "q-identity",
+    init: str = "regress",
+    heal_config: HealConfig | None = None,
+    out: str | Path | None = None,
+    write: bool = True,
+    windows: int | None = None,
+    calib_batches: int = 8,
+    compare_inits: bool = False,
+    data_dir: str | None = None,
+    device: str = "auto",
+    log: Callable[[str], None] | None = print,
+) -> RetrofitReport:
+    """Load, convert with `init`, heal, and (with `write`) save the healed checkpoint."""
+    from qkvlab.train.checkpoint import load_model
+    from qkvlab.train.trainer import (
+        check_vocab,
+        evaluate,
+        open_data,
+        resolve_device,
+    )
+
+    if to not in TARGETS:
+        raise QkvlabError(f"--to {to!r} is not one of {', '.join(TARGETS)}")
+    if init not in INITS:
+        raise QkvlabError(f"--init {init!r} is not one of {', '.join(INITS)}")
+    if calib_batches < 1 and init == "regress":
+        raise QkvlabError(f"--calib-batches must be >= 1, got {calib_batches}")
+    dev = resolve_device(device)
+    teacher, ckpt = load_model(path, dev)
+    check_source(teacher, init)
+    dest = _out_dir(out, ckpt.path, ckpt.run_dir, to) if write else None
+    cfg = ckpt.config
+    hc = heal_config or HealConfig(batch_size=cfg.train.batch_size, lr=3 * cfg.optim.min_lr)
+    data_cfg = cfg.data if not data_dir else dataclasses.replace(cfg.data, dir=str(data_dir))
+    data = open_data(data_cfg, log or (lambda _m: None))
+    check_vocab(cfg, data)
+    block = cfg.model.block_size
+    n = windows if windows is not None else min(cfg.train.eval_windows, MAX_DEFAULT_WINDOWS)
+    if n < 1:
+        raise QkvlabError(f"--windows must be at least 1, got {n}")
+    vx, vy = data.val_windows(n, block)
+    eval_bs = cfg.train.eval_batch_size or cfg.train.batch_size
+
+    def val_loss(model: GPT) -> float:
+        return evaluate(model, vx, vy, eval_bs, dev, hc.dtype)
+
+    before = val_loss(teacher)
+    moments = None
+    if init == "regress" or compare_inits:
+        calib = (data.train_batch(CALIB_STEP_OFFSET + i, 0, hc.batch_size, block, hc.seed)[0]
+                 for i in range(max(calib_batches, 1)))
+        moments = attention_moments(teacher, calib)
+    other: dict[str, float | None] = {}
+    if compare_inits:
+        for name in INITS:
+            if name == init:
+                continue
+            try:
+                other[name] = val_loss(build_student(teacher, name, moments)[0])
+            except QkvlabError as exc:
+                other[name] = None
+                if log:
+                    log(f"  init {name}: not available ({exc})")
+    student, info = build_student(teacher, init, moments)
+    if log:
+        log(f"original val loss {before:.4f}; init {init}: {info.note}")
+    result = heal(student, data, hc, val_loss, teacher=teacher if hc.distill else None, log=log)
+    report = RetrofitReport(
+        source=ckpt.path, init=init, init_info=info, heal_config=hc, before=before,
+        heal_result=result, other_inits=other, params_before=count_params(cfg.model).total,
+        params_after=count_params(student.cfg).total, windows=n, block_size=block)
+    if dest is not None:
+        write_retrofit(dest, student, ckpt, report)
+    return report
+
+
+def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport) -> Path:
+    """Save the healed model as a regular checkpoint (with the report in state.json)."""
+    from qkvlab.train.checkpoint import write_checkpoint
+    from qkvlab.train.trainer import TOKENIZER_DIR
+
+    new_cfg = dataclasses.replace(ckpt.config, model=student.cfg)
+    state = {"step": ckpt.step, "kind": "retrofit", "val_loss": report.after_heal,
+             "retrofit": report.as_dict()}
+    write_checkpoint(dest, student, new_cfg, state=state)
+    src_tok = ckpt.run_dir / TOKENIZER_DIR
+    if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
+        shutil.copytree(src_tok, dest / TOKENIZER_DIR)  # so `qkvlab sample` finds it
+    report.dest = dest
+    return dest
+
+
+def retrofit_command(args: argparse.Namespace) -> int:
+    """Run the retrofit and print the loss table."""
+    from qkvlab.train.checkpoint import read_checkpoint
+
+    ckpt = read_checkpoint(args.path)
+    run = ckpt.config
+    hc = HealConfig(
+        steps=args.steps,
+        batch_size=args.batch_size or run.train.batch_size,
+        lr=args.lr if args.lr is not None else 3 * run.optim.min_lr,
+        weight_decay=run.optim.weight_decay, beta1=run.optim.beta1, beta2=run.optim.beta2,
+        grad_clip=run.optim.grad_clip, distill=args.distill, eval_every=args.eval_every,
+        seed=args.seed)
+    torch.manual_seed(args.seed)
+    report = retrofit_checkpoint(
+        args.path, to=args.to, init=args.init, heal_config=hc, out=args.out,
+        windows=args.windows, calib_batches=args.calib_batches,
+        compare_inits=args.compare_inits, data_dir=args.data)
+    print(f"retrofit {report.source} -> {report.dest} ({args.to}, init {report.init}, "
+          f"{hc.steps} {'distillation' if hc.distill else 'cross-entropy'} steps, "
+          f"{report.heal_result.seconds:.0f} s)")
+    print(f"parameters: {report.params_before:,} -> {report.params_after:,}")
+    if report.init_info.query_r2:
+        r2 = " ".join(f"{v:.2f}" for v in report.init_info.query_r2)
+        print(f"query variance explained by each head's own slice, per layer: {r2}")
+    print(f"val loss on {report.windows} windows x {report.block_size} tokens:")
+    print(report.table())
+    gap0, gap1 = report.after_convert - report.before, report.after_heal - report.before
+    closed = 100 * (1 - gap1 / gap0) if gap0 > 0 else math.nan
+    print(f"gap to the original: {gap0:+.4f} after conversion, {gap1:+.4f} after healing "
+          f"({closed:.0f}% closed)")
+    return 0

@@ -1,0 +1,197 @@
+"""Initialising a W_Q = I model from a trained standard one (no exact conversion exists).
+
+Three starting points, all with the same parameters as a q-identity model of the source shape:
+
+  drop     remove W_Q and keep everything else (the trivial init, the control).
+  basis    `qkvlab.theory.convert.approximate_convert`: the exact recipe of PAPER.md sections 1-3
+           applied anyway, with the stream basis diag(gamma) W_Q (unit columns) per layer. It is
+           exact when W_Q is orthogonal (and fixes 1 under LayerNorm) and the layers share it;
+           a trained W_Q is neither, and full skips carry layer l's basis into layer l+1.
+  regress  keep the stream basis (the skips and norms stay exact) and move W_Q into the keys,
+           head by head. Head h's logits are s q_h k_h^T with q_h = u W_Q^(h) (u: the norm1
+           output). With W_Q = I the query can only be u_h, the h-th d_k-slice of u, times any
+           d_k x d_k matrix A_h, and A_h folds into the keys exactly:
+               s' u_h (k_h A_h^T (s / s'))^T = s (u_h A_h) k_h^T.
+           A_h is the least-squares fit of the old query on the slice over real activations,
+               A_h = E[u_h^T u_h]^-1 E[u_h^T (u W_Q^(h) + b_Q^(h))],
+           which also minimises the expected squared logit error for every key distribution
+           (the key-side weight G = E[k^T k] factors out of the normal equations). Where the
+           query depended on coordinates outside slice h, that part is lost; the fraction kept
+           is reported as the explained query variance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from qkvlab.errors import QkvlabError
+from qkvlab.model.gpt import GPT
+
+INITS: tuple[str, ...] = ("regress", "basis", "drop")
+F64 = torch.float64
+
+
+@dataclass
+class Moments:
+    """First and second moments of one distinct block's attention input u (its norm1 output)."""
+
+    second: torch.Tensor  # E[u^T u], (d, d) float64
+    mean: torch.Tensor  # E[u], (d,) float64
+    count: int  # rows (tokens x applications) averaged
+
+
+@dataclass
+class InitInfo:
+    """What an init did, for the report."""
+
+    init: str
+    note: str
+    query_r2: list[float] = field(default_factory=list)  # per distinct block, mean over heads
+
+
+def check_source(model: GPT, init: str) -> None:
+    """Refuse (one line) sources a W_Q = I retrofit does not apply to."""
+    cfg = model.cfg
+    if init not in INITS:
+        raise QkvlabError(f"--init {init!r} is not one of {', '.join(INITS)}")
+    if cfg.projection != "baseline":
+        raise QkvlabError(f"the source has projection={cfg.projection}: a retrofit starts from a "
+                          "standard model with W_Q, W_K, W_V (projection=baseline)")
+    if cfg.n_head * cfg.d_head != cfg.n_embd:
+        raise QkvlabError(f"W_Q = I needs n_head * head_dim == n_embd, got {cfg.n_head} * "
+                          f"{cfg.d_head} != {cfg.n_embd}")
+    if init == "regress" and cfg.kv_heads != cfg.n_head:
+        raise QkvlabError(f"--init regress folds each query head's fit into its own keys: under "
+                          f"grouped-query attention (n_kv_head={cfg.kv_heads} < n_head="
+                          f"{cfg.n_head}) heads share keys; use --init drop or basis")
+
+
+@torch.no_grad()
+def attention_moments(model: GPT, batches: Iterable[torch.Tensor]) -> list[Moments]:
+    """Moments of every distinct block's attention input over token batches (B, T), float64.
+
+    A shared block (share_layers) pools all of its applications: one W_Q serves them all.
+    """
+    blocks = list(model.blocks)
+    d = model.cfg.n_embd
+    sums = [torch.zeros(d, d, dtype=F64) for _ in blocks]
+    means = [torch.zeros(d, dtype=F64) for _ in blocks]
+    counts = [0 for _ in blocks]
+
+    def hook(i: int):
+        def record(module, args):
+            u = args[0].detach().reshape(-1, d).to("cpu", F64)
+            sums[i].add_(u.T @ u)
+            means[i].add_(u.sum(0))
+            counts[i] += u.shape[0]
+        return record
+
+    handles = [blk.attn.register_forward_pre_hook(hook(i)) for i, blk in enumerate(blocks)]
+    was_training = model.training
+    model.eval()
+    try:
+        device = next(model.parameters()).device
+        for x in batches:
+            model(x.to(device))
+    finally:
+        for h in handles:
+            h.remove()
+        model.train(was_training)
+    if not counts[0]:
+        raise QkvlabError("no calibration batches: need at least one to fit the regress init")
+    return [Moments(s / n, m / n, n) for s, m, n in zip(sums, means, counts, strict=True)]
+
+
+def _student_config(model: GPT, attn_scale: float | None):
+    return dataclasses.replace(model.cfg, projection="q-identity", attn_scale=attn_scale)
+
+
+def _without_query(model: GPT) -> dict[str, torch.Tensor]:
+    """The source's state dict with the query rows of every in_proj removed (float64)."""
+    q = model.cfg.n_head * model.cfg.d_head
+    sd = {k: v.detach().to("cpu", F64).clone() for k, v in model.state_dict().items()}
+    for i in range(len(model.blocks)):
+        for name in ("weight", "bias"):
+            key = f"blocks.{i}.attn.in_proj.{name}"
+            if key in sd:
+                sd[key] = sd[key][q:].clone()  # rows (Linear out dims) are [q | k | v]
+    return sd
+
+
+def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
+               ratio: float, ridge: float) -> list[float]:
+    """Fold each head's least-squares query map A_h into its keys, in place; returns the
+    explained query variance per distinct block (mean over heads)."""
+    cfg = model.cfg
+    H, dk = cfg.n_head, cfg.d_head
+    src = model.state_dict()
+    r2_blocks = []
+    for i, mom in enumerate(moments):
+        w = src[f"blocks.{i}.attn.in_proj.weight"].detach().to("cpu", F64)  # (3d, d)
+        b = src.get(f"blocks.{i}.attn.in_proj.bias")
+        b = b.detach().to("cpu", F64) if b is not None else None
+        S, m = mom.second, mom.mean
+        key_w, key_b = f"blocks.{i}.attn.in_proj.weight", f"blocks.{i}.attn.in_proj.bias"
+        r2s = []
+        for h in range(H):
+            sl = slice(h * dk, (h + 1) * dk)
+            wq = w[sl].T  # W_Q^(h), paper convention (d, dk)
+            bq = b[sl] if b is not None else torch.zeros(dk, dtype=F64)
+            s_hh = S[sl, sl]
+            # E[u_h^T t] for the target t = u W_Q^(h) + b_Q^(h)
+            cross = S[sl] @ wq + torch.outer(m[sl], bq)
+            lam = ridge * float(torch.diagonal(s_hh).mean().clamp_min(1e-30))
+            A = torch.linalg.solve(s_hh + lam * torch.eye(dk, dtype=F64), cross)  # (dk, dk)
+            # explained variance of the query (second moments, no intercept: as the logits see)
+            tt = wq.T @ S @ wq + wq.T @ torch.outer(m, bq) + torch.outer(bq, m) @ wq \
+                + torch.outer(bq, bq)
+            resid = torch.trace(tt) - 2 * torch.trace(A.T @ cross) + torch.trace(A.T @ s_hh @ A)
+            total = float(torch.trace(tt))
+            r2s.append(1.0 - float(resid) / total if total > 0 else 0.0)
+            # keys: rows d + h*dk ... of the source in_proj = rows h*dk ... of the student's
+            rows = slice(h * dk, (h + 1) * dk)
+            sd[key_w][rows] = ratio * (A @ sd[key_w][rows])
+            if key_b in sd:
+                sd[key_b][rows] = ratio * (A @ sd[key_b][rows])
+        r2_blocks.append(sum(r2s) / len(r2s))
+    return r2_blocks
+
+
+def build_student(model: GPT, init: str = "regress", moments: list[Moments] | None = None,
+                  *, ridge: float = 1e-8) -> tuple[GPT, InitInfo]:
+    """A q-identity GPT initialised from the baseline `model` by `init` (see the module doc).
+
+    `regress` needs `moments` (from `attention_moments` on training batches); `ridge` (relative
+    to the slice's mean second moment) only guards against a singular slice. The student has
+    the source's dtype and device and the paper's halved scale (except `basis`, which keeps the
+    source's scale, as the theory's conversion does).
+    """
+    check_source(model, init)
+    ref = next(model.parameters())
+    if init == "basis":
+        from qkvlab.theory.convert import approximate_convert
+
+        student, report = approximate_convert(model, "q-identity")
+        fails = ", ".join(h.name.split(" (")[0] for h in report.violations) or "none"
+        info = InitInfo(init, f"theory's best available conversion (failing hypotheses: "
+                              f"{fails}; max condition number {report.max_condition:.3g})")
+        return student.to(ref.device).train(model.training), info
+
+    cfg = _student_config(model, None)
+    sd = _without_query(model)
+    if init == "drop":
+        info = InitInfo(init, "W_Q removed, everything else kept")
+    else:
+        if moments is None or len(moments) != len(model.blocks):
+            raise QkvlabError("--init regress needs attention moments for every block")
+        ratio = model.cfg.scale / cfg.scale  # s / s': the halved scale moves into the keys
+        r2 = _fit_heads(model, moments, sd, ratio, ridge)
+        info = InitInfo(init, f"per-head least-squares query on its own slice folded into W_K "
+                              f"({moments[0].count:,} calibration tokens)", r2)
+    student = GPT(cfg).to(dtype=ref.dtype)
+    student.load_state_dict({k: v.to(ref.dtype) for k, v in sd.items()}, strict=True)
+    return student.to(ref.device).train(model.training), info

@@ -1,0 +1,414 @@
+"""Experiment specs, `qkvlab sweep` (skip, resume after a kill, refusals) and `qkvlab report`
+(statistics checked against a direct computation from the run files)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as sst
+
+from qkvlab.cli import main
+from qkvlab.data.prepare import prepare
+from qkvlab.errors import QkvlabError
+from qkvlab.experiments import sweep as sweep_mod
+from qkvlab.experiments.spec import load_spec, parse_spec, spec_names
+from qkvlab.experiments.stats import paired_t, summarize
+from qkvlab.experiments.variants import PAPER_SHAPE, derive, paper_variants
+from qkvlab.model.config import ModelConfig
+from qkvlab.train import trainer
+from qkvlab.train.config import load_config, save_config
+
+WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
+         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
+             for _ in range(200)]
+    text = root / "verse.txt"
+    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = root / "verse-char"
+    prepare(str(text), "char", out, val_fraction=0.1)
+    return out
+
+
+def tiny_base(data_dir: Path, folder: Path) -> Path:
+    """A 2 x 32 model (2 heads of 16), context 16, batch 4, 8 steps: milliseconds per step."""
+    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    cfg = load_config("shakespeare-char", [
+        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
+        f"model.vocab_size={vocab + 1}", "model.dropout=0.0",
+        f"data.dir={data_dir}", "data.prepare_if_missing=false",
+        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2",
+        "train.max_steps=8", "train.batch_size=4", "train.grad_accum=1",
+        "train.eval_interval=4", "train.eval_windows=8", "train.log_interval=1",
+        "train.ckpt_interval=4", "train.keep_last=2", "train.peak_flops=1e12",
+        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
+    ])
+    folder.mkdir(parents=True, exist_ok=True)
+    return save_config(cfg, folder / "base.toml")
+
+
+SPEC = """
+[spec]
+name = "{name}"
+base = "base.toml"
+seeds = [1, 2]
+
+[[variant]]
+name = "baseline"
+baseline = true
+rule = "baseline"
+
+[[variant]]
+name = "q-identity"
+rule = "q-identity"
+{extra}
+"""
+
+
+def write_spec(folder: Path, data_dir: Path, name: str = "tiny", extra: str = "") -> Path:
+    tiny_base(data_dir, folder)
+    path = folder / f"{name}.toml"
+    path.write_text(SPEC.format(name=name, extra=extra), encoding="utf-8")
+    return path
+
+
+def final_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in trainer.read_metrics(run_dir)
+            if r.get("val_loss") is not None}
+
+
+# ---- specs ---------------------------------------------------------------------------------
+def parse(text: str):
+    import tomllib
+
+    return parse_spec(tomllib.loads(text), "test")
+
+
+@pytest.mark.parametrize("variant, needle", [
+    ('name = "v"\nbaseline = true\nwidth = 3', "unknown field(s) width; valid fields: name"),
+    ('name = "v"\nbaseline = true\nrule = "wider"', "unknown rule 'wider'; valid rules: baseline"),
+    ('name = "v"\nbaseline = true\ngrid = { lr = [1e-3] }', "is the baseline and has a grid"),
+    ('name = "v"\nbaseline = true\ngrid = { depth = [1] }', None),
+    ('name = "v w"\nbaseline = true', "must be a plain name"),
+    ('name = "v"\nbaseline = "yes"', "must be true or false"),
+    ('name = "v"\nbaseline = true\nlr = 1e-3\ngrid = { lr = [1e-3] }', None),
+])
+def test_variant_fields_are_checked(variant, needle):
+    with pytest.raises(QkvlabError) as err:
+        parse(f'[spec]\nname = "s"\nbase = "compare-quick"\n[[variant]]\n{variant}\n')
+    if needle:
+        assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[spec]\nname = "s"\nbase = "b"\n', "has no [[variant]]"),
+    ('[spec]\nname = "s"\nbase = "b"\n[[variant]]\nname = "a"\n', "found none"),
+    ('[spec]\nname = "s"\nbase = "b"\n[[variant]]\nname = "a"\nbaseline = true\n'
+     '[[variant]]\nname = "a"\n', "used twice"),
+    ('[spec]\nname = "s"\nbase = "b"\nseeds = [1, 1]\n[[variant]]\nname = "a"\n'
+     'baseline = true\n', "lists a seed twice"),
+    ('[spec]\nname = "s"\nbase = "b"\nwhat = 1\n', "unknown field(s) what"),
+    ('[spec]\nname = "s"\n[[variant]]\nname = "a"\nbaseline = true\n', "has no base"),
+    ('[specs]\nname = "s"\n', "unknown field(s) specs"),
+])
+def test_spec_errors(text, needle):
+    with pytest.raises(QkvlabError) as err:
+        parse(text)
+    assert needle in str(err.value)
+
+
+def test_bad_variant_values_are_refused_when_resolved():
+    spec = parse('[spec]\nname = "s"\nbase = "compare-quick"\n[[variant]]\nname = "a"\n'
+                 'baseline = true\nprojection = "q-maybe"\n')
+    with pytest.raises(QkvlabError, match="variant a.*projection='q-maybe'"):
+        spec.groups()
+
+
+def test_rules_give_the_paper_variants_exactly():
+    base = ModelConfig(**PAPER_SHAPE)
+    for v in paper_variants():
+        d = derive(base, v.name)
+        assert d.model == v.model and d.weight_decay == v.weight_decay
+
+
+def test_paper_specs_are_section_5():
+    spec = load_spec("paper-gpt2-small")
+    groups = spec.groups()
+    paper = {v.name: v for v in paper_variants()}
+    assert [g.name for g in groups] == list(paper)
+    for g in groups:
+        assert g.config.model == paper[g.name].model
+        assert g.config.optim.weight_decay == paper[g.name].weight_decay
+        c = g.config
+        assert c.tokens_per_step == 491_520 and c.train.max_steps == 105_000
+        assert (c.optim.lr, c.optim.min_lr, c.optim.warmup_steps) == (6e-4, 6e-5, 2000)
+        assert (c.optim.beta1, c.optim.beta2, c.train.dtype) == (0.9, 0.95, "bf16")
+        assert c.decay_steps == 600_000 and c.data.tokenizer == "gpt2"
+    cosine = load_spec("paper-gpt2-small-cosine").groups()
+    assert all(g.config.decay_steps == g.config.train.max_steps == 105_000 for g in cosine)
+    assert [g.config.model for g in cosine] == [g.config.model for g in groups]
+    assert groups[0].baseline and spec.seeds == [1, 2, 3]
+
+
+def test_shipped_specs_resolve():
+    names = spec_names()
+    for name in ("cpu-paper", "cpu-nonlinear-q", "cpu-encoder-mlm", "cpu-wd-stability",
+                 "paper-gpt2-small", "paper-gpt2-small-cosine"):
+        assert name in names
+    for name in names:
+        spec = load_spec(name)
+        groups = spec.groups()
+        assert sum(g.baseline for g in groups) == 1
+        if name.startswith("cpu-") and name != "cpu-smoke":
+            assert len(spec.seeds) >= 3
+    enc = load_spec("cpu-encoder-mlm").groups()
+    assert all(g.config.train.objective == "mlm" and not g.config.model.causal for g in enc)
+    assert [g.name for g in enc] == [g.name for g in load_spec("cpu-paper").groups()]
+    nl = {g.name: g for g in load_spec("cpu-nonlinear-q").groups()}
+    assert nl["nonlinear-q.lr0.002"].config.model.projection == "nonlinear-q"
+    assert nl["nonlinear-q.lr0.002"].config.optim.lr == 2e-3
+    assert nl["baseline-lr.lr0.002"].family == "baseline"
+    wd = load_spec("cpu-wd-stability").groups()
+    assert sorted(g.config.optim.weight_decay for g in wd if g.family == "q-identity") == \
+        [0.0, 0.03125, 0.1, 0.3]
+
+
+def test_paired_t_matches_scipy():
+    a = [3.01, 3.02, 2.99, 3.05]
+    b = [3.00, 3.035, 2.97, 3.02]
+    t = paired_t([x - y for x, y in zip(a, b, strict=True)])
+    ref = sst.ttest_rel(a, b)
+    assert t.t == pytest.approx(ref.statistic) and t.p == pytest.approx(ref.pvalue)
+    lo, hi = sst.t.interval(0.95, 3, loc=np.mean(np.subtract(a, b)),
+                            scale=sst.sem(np.subtract(a, b)))
+    assert (t.ci_low, t.ci_high) == (pytest.approx(lo), pytest.approx(hi))
+    one = paired_t([0.1])
+    assert one.n == 1 and one.p is None and one.ci_low is None and one.mean == 0.1
+    same = paired_t([0.2, 0.2, 0.2])
+    assert same.p == 0.0 and same.ci_low == same.ci_high == pytest.approx(0.2)
+    assert summarize([1.0, 3.0]).std == pytest.approx(math.sqrt(2))
+
+
+# ---- sweep ---------------------------------------------------------------------------------
+def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
+        data_dir, tmp_path, monkeypatch, capsys):
+    spec = write_spec(tmp_path / "specs", data_dir)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert main(["sweep", str(spec), "--out", str(straight)]) == 0
+
+    # A kill in the third run (baseline, seed 2) at step 6, after its checkpoint at step 4.
+    real_step, calls = trainer._train_step, {"n": 0}
+
+    def dying_step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 8 + 8 + 6:
+            raise KeyboardInterrupt
+        return real_step(*a, **k)
+
+    monkeypatch.setattr(trainer, "_train_step", dying_step)
+    assert main(["sweep", str(spec), "--out", str(killed)]) == 130
+    monkeypatch.setattr(trainer, "_train_step", real_step)
+    first = {p: (p / "metrics.jsonl").read_text() for p in
+             (killed / "baseline" / "seed-1", killed / "q-identity" / "seed-1")}
+    states = {r.run_dir.name + r.group.name: sweep_mod.run_state(r).status
+              for r in load_spec(killed).runs(killed)}
+    assert states == {"seed-1baseline": "done", "seed-1q-identity": "done",
+                      "seed-2baseline": "partial", "seed-2q-identity": "pending"}
+    capsys.readouterr()
+    assert main(["sweep", str(killed)]) == 0  # the folder alone is enough to continue
+    out = capsys.readouterr().out
+    assert "resuming at step 4" in out and out.count("] ") == 2  # two runs left, not four
+    for path, text in first.items():  # finished runs were skipped, not retrained
+        assert (path / "metrics.jsonl").read_text() == text
+    for group in ("baseline", "q-identity"):
+        for seed in (1, 2):
+            a = final_losses(straight / group / f"seed-{seed}")
+            b = final_losses(killed / group / f"seed-{seed}")
+            assert a == b, (group, seed)  # exact: resume replays the same batches
+    assert main(["sweep", str(killed)]) == 0  # all done: nothing to train
+    assert "all 4 runs done" in capsys.readouterr().out
+
+    # the report against a direct computation from metrics.jsonl
+    report_dir = tmp_path / "report"
+    assert main(["report", str(killed), "--out", str(report_dir), "--per-window"]) == 0
+    rep = json.loads((report_dir / "report.json").read_text())
+    md = (report_dir / "report.md").read_text()
+    assert (report_dir / "val_curves.png").stat().st_size > 0
+    assert (report_dir / "rel_diff.png").stat().st_size > 0
+    loss = {(g, s): final_losses(killed / g / f"seed-{s}")[8]
+            for g in ("baseline", "q-identity") for s in (1, 2)}
+    groups = {g["group"]: g for g in rep["groups"]}
+    for g in ("baseline", "q-identity"):
+        vals = [loss[(g, 1)], loss[(g, 2)]]
+        got = groups[g]["final_val_loss"]
+        assert got["n"] == 2
+        assert got["mean"] == pytest.approx(np.mean(vals), abs=1e-12)
+        assert got["std"] == pytest.approx(np.std(vals, ddof=1), abs=1e-12)
+        assert f"{np.mean(vals):.4f} +- {np.std(vals, ddof=1):.4f}" in md
+    q = [loss[("q-identity", s)] for s in (1, 2)]
+    b = [loss[("baseline", s)] for s in (1, 2)]
+    ref = sst.ttest_rel(q, b)
+    d = np.subtract(q, b)
+    lo, hi = sst.t.interval(0.95, 1, loc=d.mean(), scale=sst.sem(d))
+    paired = groups["q-identity"]["paired_vs_baseline"]
+    assert paired["seeds"] == [1, 2]
+    assert paired["mean"] == pytest.approx(d.mean(), abs=1e-12)
+    assert paired["t"] == pytest.approx(ref.statistic)
+    assert paired["p"] == pytest.approx(ref.pvalue)
+    assert (paired["ci_low"], paired["ci_high"]) == (pytest.approx(lo), pytest.approx(hi))
+    assert paired["relative_pct"] == pytest.approx(100 * d.mean() / np.mean(b))
+    assert f"{d.mean():+.4f}" in md and f"[{lo:+.4f}, {hi:+.4f}]" in md
+    assert "qkvlab report" in md and "qkvlab sweep" in md and "torch" in md
+    # per window: the mean over windows is the logged val loss (clm, fp32)
+    for g in ("baseline", "q-identity"):
+        w = json.loads((killed / g / "seed-1" / "window_losses.json").read_text())["losses"]
+        assert len(w) == 8 and np.mean(w) == pytest.approx(loss[(g, 1)], rel=1e-5)
+    assert groups["q-identity"]["per_window_vs_baseline"]["n"] == 8
+
+
+def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "specs", data_dir)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out), "--only", "baseline",
+                 "--seeds", "1"]) == 0
+    # another spec's folder
+    other = write_spec(tmp_path / "other", data_dir, name="other")
+    assert main(["sweep", str(other), "--out", str(out)]) == 2
+    assert "holds the sweep of spec 'tiny'" in capsys.readouterr().err
+    # the same spec name, a variant changed
+    changed = write_spec(tmp_path / "changed", data_dir, extra="weight_decay = 0.5")
+    assert main(["sweep", str(changed), "--out", str(out), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "variant q-identity differs at optim.weight_decay (0.03125 -> 0.5)" in err
+    # a folder that is not a sweep
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("x")
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "busy")]) == 2
+    assert "is not a sweep folder" in capsys.readouterr().err
+    # a run folder trained with another config
+    fresh = tmp_path / "fresh"
+    run_dir = fresh / "baseline" / "seed-2"
+    run_dir.mkdir(parents=True)
+    save_config(load_config(str(tmp_path / "specs" / "base.toml"), ["optim.lr=1e-2"]),
+                run_dir / "config.toml")
+    (fresh / "sweep.json").write_text(json.dumps({"spec": "tiny", "groups": {}}))
+    assert main(["sweep", str(spec), "--out", str(fresh)]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with another config" in err and "optim.lr (0.01 -> 0.003)" in err
+    assert not (fresh / "baseline" / "seed-1").exists()  # refused before any run started
+    # unknown --only, bad --seeds
+    assert main(["sweep", str(spec), "--out", str(out), "--only", "nope"]) == 2
+    assert "not a variant of spec tiny" in capsys.readouterr().err
+    assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1,x"]) == 2
+    capsys.readouterr()
+
+
+def test_missing_data_and_huge_grids_are_refused(data_dir, tmp_path, capsys):
+    folder = tmp_path / "specs"
+    spec = write_spec(folder, data_dir, extra='set = ["data.dir=/nonexistent/owt"]')
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "a")]) == 2
+    assert "no prepared data at /nonexistent/owt" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists()
+    lrs = ", ".join(f"{5e-4 + 1e-5 * i:.6g}" for i in range(60))
+    big = write_spec(tmp_path / "big", data_dir, extra=f"grid = {{ lr = [{lrs}] }}")
+    assert main(["sweep", str(big), "--out", str(tmp_path / "b")]) == 2
+    assert "would launch 122 runs" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+    assert main(["sweep", str(big), "--out", str(tmp_path / "b"), "--dry-run"]) == 0
+    assert "needs --yes" in capsys.readouterr().out
+
+
+def test_dry_run_print_commands_and_launcher(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "specs", data_dir)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "4 runs" in text and "q-identity" in text and "2 pending" in text
+    assert not out.exists()  # a dry run writes nothing
+    assert main(["sweep", str(spec), "--out", str(out), "--print-commands"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 4 and all(" && qkvlab train " in c and c.endswith("--resume")
+                                   for c in lines)
+    run_dir = out / "q-identity" / "seed-2"
+    assert f"train {run_dir.resolve()} --resume" in lines[-1]
+    # what a scheduler would run: the printed command's train part
+    assert main(["train", str(run_dir), "--resume"]) == 0
+    capsys.readouterr()
+    assert main(["sweep", str(out), "--dry-run"]) == 0
+    assert "1 done" in capsys.readouterr().out
+    # the launcher path: the run goes through a subprocess (`python -m qkvlab train`)
+    import shlex
+    import sys
+
+    assert main(["sweep", str(out), "--only", "baseline", "--seeds", "1",
+                 "--launcher", shlex.quote(sys.executable)]) == 0
+    assert (out / "baseline" / "seed-1" / "summary.json").is_file()
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["spec"] == "tiny" and len(record["fingerprint"]) == 64
+    assert any("--launcher" in s["command"] for s in record["sessions"])
+
+
+def test_records_from_before_a_new_config_key_still_match():
+    from qkvlab.experiments.spec import identity_diff
+
+    g = load_spec("cpu-smoke").groups()[0]
+    old = json.loads(json.dumps(g.identity))
+    del old["train"]["objective"], old["train"]["mlm_prob"]  # keys added to qkvlab later
+    old["train"]["retired_key"] = 1  # a key qkvlab no longer has
+    assert identity_diff(old, g.identity) == []
+    old["optim"]["lr"] = 5.0
+    assert identity_diff(old, g.identity) == ["optim.lr (5.0 -> 0.001)"]
+
+
+def test_encoder_sweep_reports_masked_accuracy(data_dir, tmp_path, capsys):
+    folder = tmp_path / "specs"
+    tiny_base(data_dir, folder)
+    spec = folder / "enc.toml"
+    spec.write_text("""
+[spec]
+name = "enc"
+base = "base.toml"
+set = ["train.objective=mlm", "model.causal=false", "train.max_steps=4"]
+seeds = [1]
+
+[[variant]]
+name = "baseline"
+baseline = true
+rule = "baseline"
+
+[[variant]]
+name = "q-identity"
+rule = "q-identity"
+""", encoding="utf-8")
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out)]) == 0
+    assert main(["report", str(out)]) == 0
+    md = (out / "report" / "report.md").read_text()
+    last = [r for r in trainer.read_metrics(out / "q-identity" / "seed-1") if "val_acc" in r][-1]
+    assert "final val acc" in md and f"{last['val_acc']:.4f}" in md
+    assert "claimed for encoders, never trained" in md and "one seed only" in md
+    # a causal model with mlm is refused before training
+    bad = folder / "bad.toml"
+    bad.write_text(spec.read_text().replace('"model.causal=false", ', ""), encoding="utf-8")
+    assert main(["sweep", str(bad), "--out", str(tmp_path / "bad")]) == 2
+    assert "mlm needs a bidirectional encoder" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
