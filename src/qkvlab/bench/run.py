@@ -33,6 +33,7 @@ from qkvlab.bench.timing import Spread, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
 from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
+from qkvlab.experiments.variants import derive
 from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.train.perf import mfu
@@ -68,24 +69,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def scheme_config(base: ModelConfig, scheme: str) -> ModelConfig:
-    """The model of one benchmark variant, built from the shape's (baseline) config.
-
-    q-identity-wide: W_Q = I and the parameters W_Q held move to the MLP. A hidden unit costs
-    2d weights (+1 bias), W_Q d*d (+d), so the MLP widens by d/2: 4d -> 4.5d, the paper's
-    3456 at d = 768, and the total parameter count equals the baseline's.
-    """
-    data = base.to_dict()
-    if scheme == "baseline":
-        data["projection"] = "baseline"
-    elif scheme in ("q-identity", "nonlinear-q"):
-        data["projection"] = scheme
-    elif scheme == "q-identity-wide":
-        d, b = base.n_embd, int(base.bias)
-        data["projection"] = "q-identity"
-        data["mlp_hidden"] = base.hidden + round((d * d + b * d) / (2 * d + b))
-    else:
+    """The model of one benchmark variant, derived from the shape's (baseline) config by the
+    paper's rules (`qkvlab.experiments.variants`): q-identity-wide gives the MLP the d^2 per
+    layer that W_Q held (4d -> 4.5d, the paper's 3456 at d = 768)."""
+    if scheme not in SCHEMES:
         raise QkvlabError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    return ModelConfig(**data)
+    return derive(base, scheme).model
 
 
 @dataclass
