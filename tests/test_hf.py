@@ -209,6 +209,14 @@ def test_import_gpt2_logits_equal(tmp_path, kw):
     assert max_diff(ours, hf_load(tmp_path / "again"), tokens(ours.cfg, 5)) <= TOL
 
 
+def test_import_sharded_safetensors(tmp_path):
+    hf = hf_gpt2(seed=2)
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    result = import_model_dir(tmp_path / "sharded", tmp_path / "ckpt", verify=False)
+    assert max_diff(result.model, hf, tokens(result.model.cfg)) <= TOL
+
+
 def test_import_gpt2_model_without_lm_prefix(tmp_path):
     """A GPT2Model-style checkpoint (keys without `transformer.`, tied head) imports too."""
     hf = hf_gpt2()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import uuid
@@ -213,8 +214,6 @@ class ExportResult:
 
 def scheme_note(model: GPT) -> str:
     """How the model's projection scheme was written into GPT-2's c_attn block."""
-    import math
-
     cfg = model.cfg
     r = cfg.scale * math.sqrt(cfg.d_head)
     ratio = "" if r == 1.0 else f" (scale ratio s*sqrt(d_k) = {r:g} folded in)"
