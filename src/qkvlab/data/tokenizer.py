@@ -14,8 +14,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from qkvlab.data.cache import RemoteFile, fetch_file, write_atomic
+from qkvlab.data.cache import RemoteFile, fetch_file
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import write_bytes_atomic
 
 VALID_SPECS = "char, bytes, gpt2, bpe:N (N >= 257, e.g. bpe:4096)"
 ENDOFTEXT = "<|endoftext|>"
@@ -124,7 +125,7 @@ class CharTokenizer(Tokenizer):
 
     def save(self, data_dir: Path) -> None:
         payload = json.dumps({"chars": self.chars}, ensure_ascii=True)
-        write_atomic(Path(data_dir) / CHAR_VOCAB_FILE, payload.encode())
+        write_bytes_atomic(Path(data_dir) / CHAR_VOCAB_FILE, payload.encode())
 
     @classmethod
     def load(cls, data_dir: Path) -> CharTokenizer:
@@ -288,7 +289,7 @@ class BPETokenizer(Tokenizer):
         return self._tok.decode(ids, skip_special_tokens=False)
 
     def save(self, data_dir: Path) -> None:
-        write_atomic(Path(data_dir) / BPE_FILE, self._tok.to_str().encode())
+        write_bytes_atomic(Path(data_dir) / BPE_FILE, self._tok.to_str().encode())
 
     @classmethod
     def load(cls, data_dir: Path, name: str) -> BPETokenizer:

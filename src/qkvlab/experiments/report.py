@@ -205,7 +205,7 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     with torch.inference_mode():
         losses = objectives.window_losses(model, x, y, cfg.train.eval_batch_size
                                           or cfg.train.batch_size, device, cfg.train.dtype)
-    from qkvlab.train.fsutil import write_text_atomic
+    from qkvlab.fsutil import write_text_atomic
 
     write_text_atomic(run.run_dir / WINDOW_FILE, json.dumps(
         {"step": ckpt.step, **key, "losses": losses}) + "\n")
@@ -721,7 +721,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             name = f"final_vs_{key}.png"
             plot_grid(rep, key, fams, out / name)
             plots[key] = name
-    from qkvlab.train.fsutil import write_text_atomic
+    from qkvlab.fsutil import write_text_atomic
 
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
     path = out / "report.md"

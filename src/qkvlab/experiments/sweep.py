@@ -186,7 +186,7 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
 
 
 def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
-    from qkvlab.train.fsutil import write_text_atomic
+    from qkvlab.fsutil import write_text_atomic
 
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / SPEC_COPY, f"# spec {spec.name}, as resolved by qkvlab sweep from "
@@ -421,7 +421,7 @@ def materialize(run: Run) -> None:
 
 
 def _record_failure(run: Run, error: str) -> None:
-    from qkvlab.train.fsutil import write_text_atomic
+    from qkvlab.fsutil import write_text_atomic
 
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run.run_dir / FAILED_FILE, json.dumps({

@@ -16,7 +16,6 @@ leaves either the old checkpoint or the new one, never half of one.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 import math
 import os
@@ -36,10 +35,10 @@ from torch import nn
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file, write_text_atomic
 from qkvlab.model import GPT
 from qkvlab.train import guard
 from qkvlab.train.config import RunConfig
-from qkvlab.train.fsutil import fsync_dir, fsync_file, write_text_atomic
 
 FORMAT = "qkvlab-checkpoint"
 FORMAT_VERSION = 1
@@ -156,14 +155,6 @@ def optimizer_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch
                      "tensors": sorted(tensors)}
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.integer | np.floating):
         return value.item()
@@ -225,7 +216,7 @@ def write_checkpoint(
         for name in files:
             fsync_file(tmp / name)
             manifest["files"][name] = {"size": (tmp / name).stat().st_size,
-                                       "sha256": _sha256(tmp / name)}
+                                       "sha256": sha256_file(tmp / name)}
         with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
             f.write(json.dumps(manifest, indent=1) + "\n")
             f.flush()
@@ -307,7 +298,7 @@ def clean_temp(run_dir: Path) -> None:
     for p in Path(run_dir).glob(f"{TRASH_PREFIX}*"):
         shutil.rmtree(p, ignore_errors=True)
     for folder in (Path(run_dir), Path(run_dir) / "tokenizer"):
-        # temp files of fsutil.write_bytes_atomic (".NAME.xxxx.tmp") cut short by a crash
+        # temp files of qkvlab.fsutil.write_bytes_atomic (".NAME.xxxx.tmp") cut short by a crash
         for p in folder.glob(".*.tmp"):
             if p.is_file():
                 p.unlink(missing_ok=True)
@@ -364,7 +355,7 @@ def _problem(path: Path) -> str | None:
         size = fpath.stat().st_size
         if size != entry.get("size"):
             return f"file {name}: {size} bytes, the manifest says {entry.get('size')}"
-        if _sha256(fpath) != entry.get("sha256"):
+        if sha256_file(fpath) != entry.get("sha256"):
             return f"file {name}: sha256 differs from the manifest (altered)"
     return None
 

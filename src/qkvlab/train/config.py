@@ -351,6 +351,6 @@ def config_toml(cfg: RunConfig) -> str:
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
     """Write the resolved config as TOML, atomically; `load_config(path)` gives `cfg` back."""
-    from qkvlab.train.fsutil import write_text_atomic
+    from qkvlab.fsutil import write_text_atomic
 
     return write_text_atomic(Path(path), config_toml(cfg))

@@ -25,12 +25,12 @@ import torch
 
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import write_text_atomic
 from qkvlab.model import GPT
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed, guard, objectives
 from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig, save_config
-from qkvlab.train.fsutil import write_text_atomic
 from qkvlab.train.optim import build_optimizer, lr_at, set_lr
 from qkvlab.train.perf import mfu, peak_flops_for
 

@@ -1,10 +1,31 @@
-"""Small crash-safe file helpers: atomic writes and directory fsyncs."""
+"""Small crash-safe file helpers: atomic writes, directory fsyncs, file hashes.
+
+Shared by the data cache, prepared datasets, run configs, metrics and checkpoints, so every
+file qkvlab writes is either complete or absent.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import os
-import tempfile
+import uuid
 from pathlib import Path
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks so large files need little memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def temp_sibling(path: Path) -> Path:
+    """A fresh temporary name `.NAME.PID.HEX.tmp` next to `path` (same filesystem, so
+    os.replace is atomic). Unlike mkstemp's 0600 files, it gets the usual umask permissions."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
 
 
 def fsync_dir(path: Path) -> None:
@@ -25,15 +46,15 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     """Write via a temp file in the same folder, fsync, then os.replace: never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = temp_sibling(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
