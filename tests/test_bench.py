@@ -20,16 +20,6 @@ FAST = ["--shape", "tiny", "--repeats", "1", "--steps", "1", "--warmup", "1", "-
         "--peak-tflops", "1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: the tiny models' ops are microseconds long, and with two threads a
-    busy neighbour stalls every op at the thread barrier (seconds become minutes)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run_json(tmp_path, *extra: str) -> dict:
     out = tmp_path / "bench.json"
     assert main(["bench", *FAST, "--json", str(out), *extra]) == 0

@@ -3,20 +3,11 @@
 import json
 
 import pytest
-import torch
 
 from qkvlab.cli import main
 from qkvlab.model.params import count_params
 from qkvlab.train.config import load_config
 from qkvlab.train.trainer import read_metrics
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_compare_trains_three_variants_and_reports(tmp_path, monkeypatch, capsys):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -23,37 +22,14 @@ import torch
 import torch.distributed as dist
 
 from qkvlab.data.loader import TokenData
-from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.train.config import load_config, save_config
 from qkvlab.train.distributed import BatchPlan, _by_index, plan_batches
 from qkvlab.train.trainer import RESUME_HARMLESS, read_metrics, train
 
 TOL = 1e-5
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
-
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    (root / "verse.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    prepare(str(root / "verse.txt"), "char", root / "verse-char", val_fraction=0.1)
-    return root / "verse-char"
 
 
 def config(data_dir: Path, out: Path, *extra: str):

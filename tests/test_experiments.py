@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats as sst
 
 from qkvlab.cli import main
-from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
 from qkvlab.experiments.spec import load_spec, parse_spec, spec_names
@@ -23,30 +20,6 @@ from qkvlab.experiments.variants import PAPER_SHAPE, derive, paper_variants
 from qkvlab.model.config import ModelConfig
 from qkvlab.train import trainer
 from qkvlab.train.config import load_config, save_config
-
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    text = root / "verse.txt"
-    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = root / "verse-char"
-    prepare(str(text), "char", out, val_fraction=0.1)
-    return out
 
 
 def tiny_base(data_dir: Path, folder: Path) -> Path:

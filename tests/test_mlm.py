@@ -22,14 +22,6 @@ from qkvlab.train.trainer import read_metrics, train
 WORDS = "to be or not that is the question whether tis nobler in the mind".split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mlmdata")

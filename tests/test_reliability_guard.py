@@ -12,7 +12,6 @@ import errno
 import hashlib
 import json
 import os
-import random
 import shutil
 import signal
 import socket
@@ -27,7 +26,6 @@ import torch
 from safetensors import SafetensorError
 
 from qkvlab.cli import main
-from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.train import checkpoint as ck
 from qkvlab.train import trainer
@@ -35,29 +33,6 @@ from qkvlab.train.config import load_config, save_config
 from qkvlab.train.trainer import RunLock, read_metrics, train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    (root / "verse.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    prepare(str(root / "verse.txt"), "char", root / "verse-char", val_fraction=0.1)
-    return root / "verse-char"
-
-
 def config(data_dir: Path, out: Path, *extra: str):
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
     return load_config("shakespeare-char", [

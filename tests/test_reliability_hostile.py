@@ -75,14 +75,6 @@ def report_counts():
         print(f"  {n:4d}  {reason}")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 # ---- the world the hostile inputs are derived from ----------------------------------------
 @dataclass
 class World:

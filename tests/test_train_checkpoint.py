@@ -20,15 +20,6 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_siz
         "model.vocab_size=40"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and CPUs shared with other jobs punish more."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def tiny(tmp_path: Path, *extra: str):
     cfg = load_config("shakespeare-char", [*TINY, f"run.out_dir={tmp_path / 'run'}", *extra])
     torch.manual_seed(0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -15,37 +14,10 @@ import pytest
 import torch
 
 from qkvlab.cli import main
-from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.train import trainer
 from qkvlab.train.config import load_config, save_config
 from qkvlab.train.trainer import read_metrics, train
-
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and CPUs shared with other jobs punish more."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    """A tiny char-level dataset (~8 KB of pseudo-verse) prepared from a local text file."""
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    text_file = root / "verse.txt"
-    text_file.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = root / "verse-char"
-    prepare(str(text_file), "char", out, val_fraction=0.1)
-    return out
 
 
 def vocab(data_dir: Path) -> int:

@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from qkvlab.cli import main
 from qkvlab.train.config import load_config
 from qkvlab.train.trainer import read_metrics, train
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 2 x 64 model is fastest on one thread
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.mark.slow
