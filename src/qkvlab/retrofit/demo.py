@@ -1,7 +1,7 @@
 """The retrofit experiment: a standard pre-LN GPT trained on the embedded Shakespeare corpus,
 turned into W_Q = I by each init, healed for the same few steps, against a control.
 
-    python -m qkvlab.retrofit.demo --out runs/retrofit-demo [--base RUN] [--steps 100]
+    python -m qkvlab.retrofit.demo --out runs/retrofit-demo [--base RUN] [--base-steps 1200]
 
 Arms (every healing run sees the same batches, lr schedule and validation windows):
   control       the original model (learned W_Q) fine-tuned with the same CE steps: what the
@@ -31,7 +31,7 @@ from qkvlab.retrofit.heal import HealConfig, heal
 from qkvlab.retrofit.init import attention_moments, build_student
 
 BASE_PRESET = "compare-quick"  # 4 layers x 128, context 128, char-level tinyshakespeare
-BASE_STEPS = 600
+BASE_STEPS = 1200  # the preset's full length
 CALIB_BATCHES = 8
 CALIB_STEP_OFFSET = 1_000_000
 
