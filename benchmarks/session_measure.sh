@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The measurements behind the README's numbers, in one sequential script (a quiet machine:
+# nothing else running). Outputs land in docs/results/ (tables as .txt, numbers as .json).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+R=docs/results
+mkdir -p "$R"
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+run() {  # run NAME CMD...: time the command, keep its output
+    local name=$1; shift
+    log "$*"
+    { /usr/bin/time -f "wall %e s" "$@"; } > "$R/$name.txt" 2>&1
+    echo "exit $?" >> "$R/$name.txt"
+    tail -n 3 "$R/$name.txt"
+}
+run bench-baby-bf16 qkvlab bench --shape baby \
+    --schemes baseline,q-identity,q-identity-wide,nonlinear-q --repeats 5 --steps 3 \
+    --json "$R/bench-baby-bf16.json"
+run compare-quick qkvlab compare --out runs/compare --fresh
+cp runs/compare/compare.md "$R/compare-quick.md"; cp runs/compare/compare.png "$R/compare-quick.png"
+cp runs/compare/compare.json "$R/compare-quick.json"
+run bench-baby-bf16-compile qkvlab bench --shape baby --schemes baseline,q-identity --compile \
+    --no-inference --repeats 5 --steps 3 --json "$R/bench-baby-bf16-compile.json"
+run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 3 \
+    --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
+log done
