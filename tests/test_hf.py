@@ -29,14 +29,6 @@ TOL = 1e-5
 VOCAB = 48
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def tiny(**kw) -> ModelConfig:
     base = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=VOCAB)
     base.update(kw)

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
 from qkvlab.cli import main
-from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
@@ -22,29 +20,6 @@ from qkvlab.theory.common import random_model
 from qkvlab.train.checkpoint import load_model
 from qkvlab.train.config import load_config
 from qkvlab.train.trainer import train
-
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    (root / "verse.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = root / "verse-char"
-    prepare(str(root / "verse.txt"), "char", out, val_fraction=0.1)
-    return out
 
 
 @pytest.fixture(scope="module")
