@@ -31,8 +31,13 @@ def batch_seed(seed: int, step: int, micro_step: int) -> int:
     for name, value in (("seed", seed), ("step", step), ("micro_step", micro_step)):
         if int(value) < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    words = np.random.SeedSequence([int(seed), int(step), int(micro_step)]).generate_state(2)
-    return (int(words[0]) << 31) ^ int(words[1])
+    return mix_seed(seed, step, micro_step)
+
+
+def mix_seed(*words: int) -> int:
+    """A 63-bit generator seed mixing `words` (numpy's SeedSequence: nearby inputs diverge)."""
+    state = np.random.SeedSequence([int(w) for w in words]).generate_state(2)
+    return (int(state[0]) << 31) ^ int(state[1])
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[torch.Tensor, ...]:

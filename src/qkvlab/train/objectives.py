@@ -23,10 +23,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
+from qkvlab.data.loader import mix_seed
 from qkvlab.errors import QkvlabError
 from qkvlab.train.config import OBJECTIVES
 
@@ -61,12 +61,6 @@ def check_objective(cfg: Any, data_vocab_size: int) -> None:
             f"tokens plus the [MASK] id {mask_token_id(data_vocab_size)}), got "
             f"{cfg.model.vocab_size}: use --set model.vocab_size={need} (or larger)"
         )
-
-
-def _seed(*words: int) -> int:
-    """A 63-bit generator seed mixing `words` (numpy's SeedSequence: nearby inputs diverge)."""
-    state = np.random.SeedSequence([int(w) for w in words]).generate_state(2)
-    return ((int(state[0]) << 31) ^ int(state[1])) & ((1 << 63) - 1)
 
 
 def mask_tokens(
@@ -122,7 +116,7 @@ def train_inputs(
     """
     if cfg.train.objective != "mlm":
         return x, y
-    gen = torch.Generator().manual_seed(_seed(cfg.train.seed, step, micro_step, _TRAIN_SALT))
+    gen = torch.Generator().manual_seed(mix_seed(cfg.train.seed, step, micro_step, _TRAIN_SALT))
     return mask_tokens(x, gen, cfg.train.mlm_prob, data_vocab_size, part, parts)
 
 
@@ -132,7 +126,7 @@ def eval_inputs(
     """The fixed validation (inputs, targets): unchanged for clm, one fixed mask for mlm."""
     if cfg.train.objective != "mlm":
         return x, y
-    gen = torch.Generator().manual_seed(_seed(_EVAL_SEED, x.size(0), x.size(1)))
+    gen = torch.Generator().manual_seed(mix_seed(_EVAL_SEED, x.size(0), x.size(1)))
     return mask_tokens(x, gen, cfg.train.mlm_prob, data_vocab_size)
 
 
