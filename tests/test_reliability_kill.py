@@ -22,14 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab.data.prepare import prepare
 from qkvlab.train import checkpoint as ck
 from qkvlab.train.config import load_config, save_config
 from qkvlab.train.trainer import read_metrics
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "
-         "hark who goes there and wherefore art thou so sad good night sweet prince").split()
 MAX_STEPS = 45
 SIGKILLS = 12  # the issue asks for at least 10
 SLOW_CKPT_S = 0.04  # pause between the files of a checkpoint (test hook)
@@ -37,17 +34,6 @@ SLOW_CKPT_S = 0.04  # pause between the files of a checkpoint (test hook)
 SCHEDULE = ["write", "random", "write", "random", "term", "write", "random", "write",
             "random", "write", "int", "random", "write", "write"]
 LEFTOVER_PREFIXES = (".tmp-ckpt-", ".old-", ".trash-")
-
-
-def make_data(root: Path) -> Path:
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 9))).capitalize() + "."
-             for _ in range(200)]
-    text = root / "verse.txt"
-    text.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    out = root / "verse-char"
-    prepare(str(text), "char", out, val_fraction=0.1)
-    return out
 
 
 def make_config(root: Path, data_dir: Path) -> Path:
@@ -136,8 +122,7 @@ def trajectory(run: Path) -> list[tuple]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigkill_anywhere_then_resume_gives_identical_losses(tmp_path):
-    data_dir = make_data(tmp_path)
+def test_sigkill_anywhere_then_resume_gives_identical_losses(tmp_path, data_dir):
     cfg = make_config(tmp_path, data_dir)
     started = time.monotonic()
 

@@ -176,8 +176,19 @@ def _files_intact(out_dir: Path, meta: dict[str, Any]) -> bool:
         return False
 
 
+def _settings(tokenizer: str, source_sha256: str, val_fraction: float) -> dict[str, Any]:
+    """What a prepared folder must match to be reused (the keys of _SETTINGS)."""
+    return {
+        "format": FORMAT,
+        "tokenizer": tokenizer,
+        "source_sha256": source_sha256,
+        "val_fraction": val_fraction,
+        "split_seed": SPLIT_SEED,
+    }
+
+
 def _reuse_or_clear(
-    out_dir: Path, settings: dict[str, Any], overwrite: bool
+    out_dir: Path, settings: dict[str, Any], overwrite: bool, say: Callable[[str], None]
 ) -> dict[str, Any] | None:
     """The existing meta if out_dir already holds these exact settings; else make room or raise."""
     if out_dir.exists() and not out_dir.is_dir():
@@ -187,6 +198,7 @@ def _reuse_or_clear(
         return None
     same = all(old.get(k) == settings[k] for k in _SETTINGS)
     if same and _files_intact(out_dir, old):
+        say(f"{out_dir} is already prepared with these settings; reusing it")
         return old
     if not same and not overwrite:
         diff = [
@@ -246,16 +258,9 @@ def prepare(
         )
 
     docs, digest = read_source(source, text_field=text_field)
-    settings = {
-        "format": FORMAT,
-        "tokenizer": tokenizer,
-        "source_sha256": digest,
-        "val_fraction": val_fraction,
-        "split_seed": SPLIT_SEED,
-    }
-    old = _reuse_or_clear(out_dir, settings, overwrite)
+    settings = _settings(tokenizer, digest, val_fraction)
+    old = _reuse_or_clear(out_dir, settings, overwrite, say)
     if old is not None:
-        say(f"{out_dir} is already prepared with these settings; reusing it")
         return old
 
     tok = build_tokenizer(tokenizer, docs)
@@ -442,16 +447,9 @@ def _prepare_hf(
             f"Hugging Face dataset {source} has no column {text_field!r} "
             f"(it has {', '.join(dataset.column_names)}): choose the text column"
         )
-    settings = {
-        "format": FORMAT,
-        "tokenizer": tokenizer,
-        "source_sha256": hf_fingerprint(source, dataset),
-        "val_fraction": val_fraction,
-        "split_seed": SPLIT_SEED,
-    }
-    old = _reuse_or_clear(out_dir, settings, overwrite)
+    settings = _settings(tokenizer, hf_fingerprint(source, dataset), val_fraction)
+    old = _reuse_or_clear(out_dir, settings, overwrite, say)
     if old is not None:
-        say(f"{out_dir} is already prepared with these settings; reusing it")
         return old
 
     out_dir.mkdir(parents=True, exist_ok=True)
