@@ -28,9 +28,10 @@ if [ "$WHICH" = all ] || [ "$WHICH" = baby ]; then
     # share realised does. ~10 min.
     run baby-fp32 --shape baby --schemes baseline,q-identity --dtype fp32 --no-inference \
         --repeats 7 --steps 3
-    # torch.compile (inductor; needs gcc, a minute or two of compiling first). ~8 min.
-    run baby-bf16-compile --shape baby --schemes baseline,q-identity --compile --no-inference \
-        --repeats 7 --steps 3
+    # torch.compile (inductor; needs gcc, a minute or two of compiling first), training and
+    # inference (generate() through compiled_forward). ~8 min.
+    run baby-bf16-compile --shape baby --schemes baseline,q-identity --compile \
+        --repeats 7 --steps 3 --gen-repeats 3
 fi
 
 if [ "$WHICH" = all ] || [ "$WHICH" = paper ]; then

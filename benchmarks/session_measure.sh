@@ -20,8 +20,9 @@ run bench-baby-bf16 qkvlab bench --shape baby \
 run compare-quick qkvlab compare --out runs/compare --fresh
 cp runs/compare/compare.md "$R/compare-quick.md"; cp runs/compare/compare.png "$R/compare-quick.png"
 cp runs/compare/compare.json "$R/compare-quick.json"
-run bench-baby-bf16-compile qkvlab bench --shape baby --schemes baseline,q-identity --compile \
-    --no-inference --repeats 5 --steps 3 --json "$R/bench-baby-bf16-compile.json"
+run bench-baby-bf16-compile qkvlab bench --shape baby \
+    --schemes baseline,q-identity,q-identity-wide,nonlinear-q --compile --repeats 5 --steps 3 \
+    --gen-repeats 3 --json "$R/bench-baby-bf16-compile.json"
 run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 3 \
     --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
 log done

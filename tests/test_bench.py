@@ -45,8 +45,8 @@ def test_end_to_end_all_schemes(tmp_path):
         assert train["mfu"] > 0 and train["flops_per_token"] == d["flops_per_token"] > 0
         assert train["peak_memory_bytes"] is None  # honest n/a on CPU
         inf = d["inference"]
-        # K and V, every layer, bf16 weights: 2 * L * Hkv * dk * 2 bytes
-        assert inf["kv_bytes_per_token"] == 2 * cfg.n_layer * cfg.kv_heads * cfg.d_head * 2
+        # K and V, every layer: 2 * L * Hkv * dk * 4 bytes (bf16 weights, fp32 cache on CPU)
+        assert inf["kv_bytes_per_token"] == 2 * cfg.n_layer * cfg.kv_heads * cfg.d_head * 4
         assert list(inf["contexts"]) == ["8", "16", "32"]
         for c in inf["contexts"].values():
             for key in ("prefill_tokens_per_s", "decode_tokens_per_s",

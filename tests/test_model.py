@@ -134,6 +134,40 @@ def test_generate_with_cache_equals_without_and_respects_seed():
     assert torch.equal(a, generate(model, prompt, use_cache=True, **kw))
 
 
+def test_bf16_weights_on_cpu_get_an_fp32_cache_that_matches_the_full_forward():
+    torch.manual_seed(6)
+    model = GPT(tiny(projection="q-identity")).to(torch.bfloat16).eval()
+    cache = model.new_cache(2)
+    assert cache.k[0].dtype == torch.float32 and cache.bytes_per_token() == 2 * 2 * 4 * 8 * 4
+    assert model.new_cache(2, dtype=torch.bfloat16).k[0].dtype == torch.bfloat16
+    assert GPT(tiny()).new_cache(1).k[0].dtype == torch.float32
+    idx = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():
+        full, _ = model(idx)
+        outs = [model(idx[:, :6], cache=cache)[0]]
+        outs += [model(idx[:, t:t + 1], cache=cache, start_pos=t)[0] for t in range(6, 12)]
+    step = torch.cat(outs, dim=1)
+    assert step.dtype == torch.bfloat16  # the wider cache does not leak into the activations
+    torch.testing.assert_close(step.float(), full.float(), atol=0.05, rtol=0.05)
+
+
+def test_compiled_generate_equals_eager_and_is_built_once_per_weights():
+    from qkvlab.model.generate import compiled_forward
+
+    torch.manual_seed(8)
+    model = GPT(tiny(projection="q-identity", block_size=16))
+    prompt = torch.randint(0, 50, (2, 3))
+    eager = generate(model, prompt, 6, temperature=0)
+    assert torch.equal(generate(model, prompt, 6, temperature=0, compile=True), eager)
+    before = compiled_forward(model)
+    assert compiled_forward(model) is before  # reused, not recompiled
+    with torch.no_grad():  # frozen weights must not outlive a change to the weights
+        model.lm_head.weight.mul_(-1.0)
+        after = compiled_forward(model)
+        assert after is not before
+        torch.testing.assert_close(after(prompt)[0], model(prompt)[0])
+
+
 def test_generate_stops_at_stop_token():
     torch.manual_seed(4)
     model = GPT(tiny())

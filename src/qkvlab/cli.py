@@ -95,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--stop-token", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model first: seconds up front, faster per token")
     p.set_defaults(handler="qkvlab.train.commands:sample_command")
 
     p = sub.add_parser("params", help="parameter accounting of a config or the paper's variants")
@@ -132,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", help="bf16 (autocast) | fp32")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the training models (default: on for CUDA, off for CPU)")
+                   help="torch.compile the models, training and inference (default: on for CUDA, "
+                        "off for CPU)")
     p.add_argument("--no-inference", action="store_true", help="skip prefill/decode timings")
     p.add_argument("--infer-batch-size", type=int, default=1, help="sequences decoded at once")
     p.add_argument("--contexts", default=None,

@@ -162,7 +162,8 @@ def warnings(results: dict[str, Any]) -> list[str]:
 
 def _print_inference(results: dict[str, Any], console: Console) -> None:
     s, schemes = results["settings"], results["schemes"]
-    t = Table(title=f"Inference (batch {s['infer_batch_size']}, {s['dtype']} weights, eager; "
+    mode = "compiled" if s["compile"] else "eager"
+    t = Table(title=f"Inference (batch {s['infer_batch_size']}, {s['dtype']} weights, {mode}; "
                     f"decode = {s['decode_tokens']} steps ending at the context)")
     for col in ("scheme", "KV/token", "context", "prefill tok/s", "decode tok/s",
                 "no-cache tok/s", "cache speed-up"):

@@ -292,7 +292,8 @@ def bench_inference(s: Settings, configs: dict[str, ModelConfig],
     # (a longer learned-position table; every other weight and the per-token cost are the same).
     configs = {name: replace(cfg, block_size=max(cfg.block_size, 1 + s.gen_tokens))
                for name, cfg in configs.items()}
-    benches = {name: InferenceBench(cfg, B, s.device, s.dtype) for name, cfg in configs.items()}
+    benches = {name: InferenceBench(cfg, B, s.device, s.dtype, s.compile)
+               for name, cfg in configs.items()}
     # Warm-up runs every timed workload once: CPU backends (oneDNN) build a kernel per new
     # matrix shape (~0.5 ms per linear here), and decoding at a new length is a new shape; a
     # first-seen shape would bill that one-time cost to whichever repeat met it first.

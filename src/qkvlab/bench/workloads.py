@@ -11,7 +11,7 @@ import torch
 
 from qkvlab.bench.timing import autocast, synchronize, time_it
 from qkvlab.model import GPT, ModelConfig
-from qkvlab.model.generate import generate
+from qkvlab.model.generate import compiled_forward, generate
 from qkvlab.train.config import OptimConfig
 from qkvlab.train.optim import build_optimizer
 
@@ -61,15 +61,19 @@ class TrainBench:
 class InferenceBench:
     """One scheme's model in the inference dtype (bf16 weights, not autocast), no grad.
 
-    Inference runs in eager mode even with --compile: decoding changes the cache length every
-    step, and recompiling per length would time the compiler, not the model.
+    With compile, every workload (prefill, both decoders, generate) runs the model through
+    generate.compiled_forward: one dynamic-shape graph per kind of call, so a new cache length
+    is not a recompile; the warm-up pays the compile, the timed repeats do not. no_grad, not
+    inference_mode, as in generate(): mixing the two would compile every graph twice.
     """
 
     def __init__(self, cfg: ModelConfig, batch_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int = 0):
+                 dtype: torch.dtype, compile: bool = False, seed: int = 0):
         torch.manual_seed(seed)
         self.cfg, self.device, self.batch_size = cfg, device, batch_size
+        self.compile = compile
         self.model = GPT(cfg).to(device=device, dtype=dtype).eval()
+        self.forward = compiled_forward(self.model) if compile else self.model
         self.cache = self.model.new_cache(batch_size)
         self.prompt = random_tokens(cfg, batch_size, cfg.block_size, device, seed + 1)
 
@@ -78,13 +82,13 @@ class InferenceBench:
         """Bytes of cached keys and values per token per sequence, all layers."""
         return self.cache.bytes_per_token()
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(self, context: int) -> float:
         """Seconds for one forward over `context` prompt tokens that fills the KV cache."""
         idx = self.prompt[:, :context]
-        return time_it(lambda: self.model(idx, cache=self.cache, last_only=True), self.device)
+        return time_it(lambda: self.forward(idx, cache=self.cache, last_only=True), self.device)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode_cached(self, context: int, new_tokens: int) -> float:
         """Seconds per decoding step with the cache, for the steps that end at `context`.
 
@@ -92,19 +96,19 @@ class InferenceBench:
         then feeds one token per sequence and reads every earlier key and value from the cache.
         """
         start = context - new_tokens
-        self.model(self.prompt[:, :start], cache=self.cache, last_only=True)
+        self.forward(self.prompt[:, :start], cache=self.cache, last_only=True)
         tok = self.prompt[:, start:start + 1]
         synchronize(self.device)
 
         def run() -> None:
             nonlocal tok
             for pos in range(start, context):
-                logits, _ = self.model(tok, cache=self.cache, start_pos=pos, last_only=True)
+                logits, _ = self.forward(tok, cache=self.cache, start_pos=pos, last_only=True)
                 tok = logits[:, -1].argmax(dim=-1, keepdim=True)  # greedy: no host sync
 
         return time_it(run, self.device) / new_tokens
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def decode_recompute(self, context: int, new_tokens: int) -> float:
         """Seconds per decoding step without a cache: every step reruns the whole prefix."""
         start = context - new_tokens
@@ -113,7 +117,7 @@ class InferenceBench:
         def run() -> None:
             idx = self.prompt[:, :start]
             for _ in range(new_tokens):
-                logits, _ = self.model(idx[:, -block:], last_only=True)
+                logits, _ = self.forward(idx[:, -block:], last_only=True)
                 idx = torch.cat((idx, logits[:, -1].argmax(dim=-1, keepdim=True)), dim=1)
 
         return time_it(run, self.device) / new_tokens
@@ -126,4 +130,4 @@ class InferenceBench:
         """
         prompt = self.prompt[:, :prompt_len]
         return time_it(lambda: generate(self.model, prompt, new_tokens, temperature=0.0,
-                                        use_cache=use_cache), self.device)
+                                        use_cache=use_cache, compile=self.compile), self.device)

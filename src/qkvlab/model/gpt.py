@@ -105,18 +105,23 @@ class Attention(nn.Module):
         start_pos: int = 0,
     ) -> torch.Tensor:
         B, T, _ = x.shape
+        x_norm = x  # fp32 under autocast: the nonlinear query's own norms want it that way
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast once here: an identity query (or key/value) then shares the matmul's bf16
+            # input instead of paying a second cast, forward and backward.
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         proj = self.in_proj(x)
         q, k, v = proj.split(self.sizes, dim=-1)
         if self.projection == "q-identity":
             q = x
         elif self.projection == "nonlinear-q":
-            q = 0.5 * (x + self.query_map(x))
+            q = 0.5 * (x_norm + self.query_map(x_norm))
         elif self.projection == "k-identity":
             k = x
         elif self.projection == "v-identity":
             v = x
-        # Under autocast the norm output stays fp32 while the matmul output is bf16: use one
-        # dtype for SDPA (.to is a no-op when they already agree).
+        # The nonlinear query ends in an fp32 LayerNorm under autocast: use one dtype for SDPA
+        # (.to is a no-op when they already agree).
         q, k, v = q.to(proj.dtype), k.to(proj.dtype), v.to(proj.dtype)
         q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, dk), a view
         k = k.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)
@@ -131,6 +136,7 @@ class Attention(nn.Module):
             cache.k[layer][:, :, start_pos:end] = k
             cache.v[layer][:, :, start_pos:end] = v
             k, v = cache.k[layer][:, :, :end], cache.v[layer][:, :, :end]
+            q = q.to(k.dtype)  # the cache may hold a wider dtype than the weights (new_cache)
             if self.cfg.causal and start_pos > 0:
                 # Queries sit at positions start_pos..end-1; SDPA's is_causal would align the
                 # mask to the top-left corner, which is wrong once keys outnumber queries.
@@ -146,7 +152,7 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=self.n_kv_head != self.n_head,
         )
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)
+        y = y.to(proj.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.d_head)
         return F.dropout(self.out_proj(y), self.dropout, self.training)
 
 
@@ -266,6 +272,13 @@ class GPT(nn.Module):
                 logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100)
         return logits, loss
 
-    def new_cache(self, batch_size: int, dtype=None) -> KVCache:
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache. Default dtype: the weights', except bf16/fp16 weights on CPU get
+        an fp32 cache: there, SDPA's single-query kernel is ~4x slower in bf16 than in fp32
+        (measured at 256 keys), which makes it a third of a decoding step; fp32 doubles the
+        cache's bytes (reported by bytes_per_token)."""
         p = self.lm_head.weight
-        return KVCache(self.cfg, batch_size, p.device, dtype or p.dtype)
+        if dtype is None:
+            dtype = torch.float32 if p.device.type == "cpu" and p.dtype in (
+                torch.bfloat16, torch.float16) else p.dtype
+        return KVCache(self.cfg, batch_size, p.device, dtype)

@@ -153,7 +153,8 @@ def sample_command(args: argparse.Namespace) -> int:
     # fp32 sampling: cheap at this size, and no dtype mixing between the KV cache and autocast
     out = generate(model, idx, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                   stop_token=args.stop_token, use_cache=not args.no_cache)
+                   stop_token=args.stop_token, use_cache=not args.no_cache,
+                   compile=args.compile)
     texts = []
     for row in out.tolist():
         # a padded model vocab (e.g. 50304) may emit ids the tokenizer lacks: drop them
