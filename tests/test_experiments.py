@@ -257,6 +257,19 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
         assert len(w) == 8 and np.mean(w) == pytest.approx(loss[(g, 1)], rel=1e-5)
     assert groups["q-identity"]["per_window_vs_baseline"]["n"] == 8
 
+    # the archive (records, no checkpoints) reports the same and counts as a finished sweep
+    archived = tmp_path / "archived"
+    assert main(["archive", str(killed), str(archived)]) == 0
+    assert not list(archived.rglob("ckpt-*")) and not list(archived.rglob("*.safetensors"))
+    assert main(["report", str(archived), "--out", str(tmp_path / "report2"),
+                 "--per-window"]) == 0
+    rep2 = json.loads((tmp_path / "report2" / "report.json").read_text())
+    assert rep2["groups"] == rep["groups"]
+    capsys.readouterr()
+    assert main(["sweep", str(archived)]) == 0
+    assert "all 4 runs done" in capsys.readouterr().out
+    assert main(["archive", str(tmp_path), str(tmp_path / "x")]) == 2  # not a sweep folder
+
 
 def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "specs", data_dir)

@@ -244,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "paired view; loads the checkpoints)")
     _overrides(p)
     p.set_defaults(handler="qkvlab.experiments.report:report_command")
+
+    p = sub.add_parser("archive", help="copy a sweep's records without its checkpoints "
+                                       "(to commit results)")
+    p.add_argument("sweep_dir", help="the sweep folder")
+    p.add_argument("dest", help="where the copy goes (created; existing records are replaced)")
+    p.set_defaults(handler="qkvlab.experiments.archive:archive_command")
     return parser
 
 

@@ -185,18 +185,23 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     from qkvlab.train.trainer import open_data, resolve_device
 
     cfg = run_config(run.run_dir, group)
-    ckpts = list_checkpoints(run.run_dir)
-    if run.status != "done" or not ckpts:
+    if run.status != "done":
         return None
     key = {"windows": cfg.train.eval_windows, "block_size": cfg.model.block_size,
            "objective": cfg.train.objective}
     cache = _read_json(run.run_dir / WINDOW_FILE)
+    cached = None
+    if cache and cache.get("step") == run.max_steps and all(cache.get(k) == v
+                                                            for k, v in key.items()):
+        cached = [float(v) for v in cache["losses"]]
+    ckpts = list_checkpoints(run.run_dir)
+    if not ckpts:  # an archived sweep (qkvlab archive): the cached losses stand in
+        return cached
     ckpt = read_checkpoint(ckpts[-1])
     if ckpt.step != run.max_steps:
         return None
-    if cache and cache.get("step") == ckpt.step and all(cache.get(k) == v
-                                                        for k, v in key.items()):
-        return [float(v) for v in cache["losses"]]
+    if cached is not None:
+        return cached
     device = resolve_device("auto")
     model, _ = load_model(ckpt.path, device)
     data = open_data(cfg.data, lambda _m: None)
