@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 import tomli_w
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -723,6 +723,13 @@ def checkpoint_argv(command: str, run: Path, ckpt: Path, d: Path, direct: bool) 
 @settings(FUZZ, max_examples=250)
 @given(defects=st.lists(ckpt_defect(), min_size=1, max_size=2),
        command=st.sampled_from(["eval", "sample", "convert", "train"]), direct=st.booleans())
+# a whole sound checkpoint of another run, dropped into this one (found by the fuzzer in CI)
+@example(defects=[("model_other", None), ("state_other_config", None)], command="eval",
+         direct=False)
+@example(defects=[("model_other", None), ("state_other_config", None)], command="sample",
+         direct=True)
+@example(defects=[("model_other", None), ("state_other_config", None)], command="convert",
+         direct=False)
 def test_malformed_checkpoints(world, defects, command, direct):
     seal = all(kind in SEALED for kind, _ in defects)
     with workdir(world) as d:

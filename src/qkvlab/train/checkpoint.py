@@ -23,7 +23,7 @@ import random
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +36,9 @@ from torch import nn
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file, write_text_atomic
-from qkvlab.model import GPT
+from qkvlab.model import GPT, ModelConfig
 from qkvlab.train import guard
-from qkvlab.train.config import RunConfig
+from qkvlab.train.config import RunConfig, read_config_source
 
 FORMAT = "qkvlab-checkpoint"
 FORMAT_VERSION = 1
@@ -499,7 +499,33 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
                           ) from None
     # state.json is data from disk: an absurd model there must not reach the allocator
     guard.model_memory_check(cfg.model, f"the model of checkpoint {ckpt}")
+    _check_belongs_to_run(ckpt, cfg.model)
     return Checkpoint(path=ckpt, config=cfg, state=state)
+
+
+def _check_belongs_to_run(ckpt: Path, model: ModelConfig) -> None:
+    """A checkpoint inside a run folder must hold that run's model (its config.toml).
+
+    One copied in from another run is a sound checkpoint, but eval, sample and convert would
+    report it under this run's name. An unreadable config.toml says nothing either way: the
+    checkpoint is self-contained, so it is then used as it is.
+    """
+    run_file = ckpt.parent / "config.toml"
+    if not run_file.is_file():
+        return
+    try:
+        raw, _ = read_config_source(run_file)
+        run_model = ModelConfig.from_dict(raw["model"])
+    except (QkvlabError, KeyError, TypeError, ValueError, AttributeError):
+        return
+    diffs = [f"{f.name} {getattr(model, f.name)!r} vs {getattr(run_model, f.name)!r}"
+             for f in fields(ModelConfig) if getattr(model, f.name) != getattr(run_model, f.name)]
+    if diffs:
+        raise QkvlabError(
+            f"checkpoint {ckpt} does not hold the model of its run {ckpt.parent} "
+            f"({'; '.join(diffs[:3])} in {run_file}): it came from elsewhere; copy the "
+            "checkpoint folder out of the run to use it on its own"
+        )
 
 
 def _is_int(x: Any) -> bool:
