@@ -27,7 +27,7 @@ def archive_sweep(src: Path, dest: Path) -> int:
                           "`qkvlab sweep` wrote")
     if dest.resolve() == src.resolve():
         raise QkvlabError("the archive must go to another folder than the sweep itself")
-    runs = sorted(p.parent for p in src.glob(f"*/seed-*/{RUN_RECORDS[0]}"))
+    runs = sorted(p.parent for p in src.glob("*/seed-*/config.toml"))  # every run has one
     for name in SWEEP_RECORDS:
         if (src / name).is_file():
             dest.mkdir(parents=True, exist_ok=True)
