@@ -206,6 +206,9 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
               for r in load_spec(killed).runs(killed)}
     assert states == {"seed-1baseline": "done", "seed-1q-identity": "done",
                       "seed-2baseline": "partial", "seed-2q-identity": "pending"}
+    # a report of the half-done sweep counts the spec's runs, not just the folders begun
+    assert main(["report", str(killed), "--out", str(tmp_path / "early")]) == 0
+    assert "2 of 4 runs finished" in (tmp_path / "early" / "report.md").read_text()
     capsys.readouterr()
     assert main(["sweep", str(killed)]) == 0  # the folder alone is enough to continue
     out = capsys.readouterr().out

@@ -583,7 +583,8 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
                  "acc the masked-token accuracy, on one fixed mask shared by every run")
     L += ["", "## What the data shows", ""]
     n_done = sum(r.status == "done" for r in rep.runs())
-    n_all = len(rep.runs())
+    # the spec's grid, plus any extra seeds the folder holds; not only the folders begun so far
+    n_all = sum(len(set(rep.spec.seeds) | {r.seed for r in g.runs}) for g in rep.groups)
     L.append(f"{n_done} of {n_all} runs finished. Baseline: **{base.group.name}**, final "
              f"validation loss {_pm(base.loss)} over {base.loss.n} seed(s).")
     L.append("")
