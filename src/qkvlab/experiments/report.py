@@ -41,6 +41,7 @@ from qkvlab.experiments.sweep import (
     SWEEP_FILE,
     machine_info,
     now_iso,
+    read_json_record,
 )
 
 WINDOW_FILE = "window_losses.json"
@@ -54,12 +55,6 @@ PAPER_SAYS: dict[str, str] = {
 
 
 # ---- reading the runs ----------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
@@ -124,8 +119,8 @@ def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
             data.acc_curve[r["step"]] = float(r["val_acc"])
     data.steps = max((r["step"] for r in records), default=0)
     data.tokens_per_s = median_tokens_per_s(records)
-    summary = _read_json(run_dir / SUMMARY_FILE)
-    failed = _read_json(run_dir / FAILED_FILE)
+    summary = read_json_record(run_dir / SUMMARY_FILE)
+    failed = read_json_record(run_dir / FAILED_FILE)
     done = summary is not None and not summary.get("interrupted") \
         and int(summary.get("steps") or 0) >= max_steps
     if done:
@@ -189,7 +184,7 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
         return None
     key = {"windows": cfg.train.eval_windows, "block_size": cfg.model.block_size,
            "objective": cfg.train.objective}
-    cache = _read_json(run.run_dir / WINDOW_FILE)
+    cache = read_json_record(run.run_dir / WINDOW_FILE)
     cached = None
     if cache and cache.get("step") == run.max_steps and all(cache.get(k) == v
                                                             for k, v in key.items()):
@@ -280,7 +275,7 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
         raise QkvlabError(f"no sweep folder at {sweep_dir}: run `qkvlab sweep "
                           f"{spec.source or spec.name} --out {sweep_dir}` first (or pass "
                           "--runs DIR)")
-    record = _read_json(sweep_dir / SWEEP_FILE) or {}
+    record = read_json_record(sweep_dir / SWEEP_FILE) or {}
     if record and record.get("spec") != spec.name:
         raise QkvlabError(f"{sweep_dir} holds the sweep of spec {record.get('spec')!r}, not "
                           f"{spec.name!r}: report that folder with its own spec "
@@ -569,7 +564,8 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     L.append(f"- Report machine: {_machine_line(machine_info())}")
     devices = sorted({f"{s.get('device')} {s.get('dtype')}" for r in rep.runs()
                       if r.status == "done"
-                      for s in [_read_json(r.run_dir / SUMMARY_FILE) or {}] if s.get("device")})
+                      for s in [read_json_record(r.run_dir / SUMMARY_FILE) or {}]
+                      if s.get("device")})
     fp = rep.record.get("fingerprint")
     L.append(f"- Spec fingerprint: `{fp[:16] if fp else 'n/a'}`; base `{spec.base}`"
              + (f" with {', '.join(f'`{s}`' for s in spec.set)}" if spec.set else ""))

@@ -70,7 +70,7 @@ class RunState:
     note: str = ""
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def read_json_record(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -82,11 +82,11 @@ def run_state(run: Run) -> RunState:
     from qkvlab.train.checkpoint import ckpt_step, list_checkpoints
 
     run_dir = run.run_dir
-    summary = _read_json(run_dir / SUMMARY_FILE)
+    summary = read_json_record(run_dir / SUMMARY_FILE)
     max_steps = run.config.train.max_steps
     if summary and not summary.get("interrupted") and int(summary.get("steps") or 0) >= max_steps:
         return RunState("done", int(summary["steps"]), summary.get("final_val_loss"))
-    failed = _read_json(run_dir / FAILED_FILE)
+    failed = read_json_record(run_dir / FAILED_FILE)
     ckpts = list_checkpoints(run_dir)
     step = (ckpt_step(ckpts[-1]) or 0) if ckpts else 0
     if failed:
@@ -153,7 +153,7 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
     """The folder's record, merged with this spec's groups; refuses a folder of another spec."""
     path = out / SWEEP_FILE
     if path.is_file():
-        record = _read_json(path)
+        record = read_json_record(path)
         if record is None or not isinstance(record.get("groups"), dict):
             raise QkvlabError(f"{path} is unreadable: it is not a sweep record (move it away "
                               "or choose another --out)")
@@ -217,7 +217,7 @@ def check_run_dirs(runs: list[Run]) -> None:
 
 
 def _data_vocab(data_dir: Path) -> tuple[int, str] | None:
-    meta = _read_json(data_dir / "meta.json")
+    meta = read_json_record(data_dir / "meta.json")
     if meta is None:
         return None
     try:
@@ -321,7 +321,7 @@ def _speed(runs: list[Run], states: dict[Path, RunState]) -> float | None:
     rates = []
     for r in runs:
         if states[r.run_dir].status == "done":
-            s = _read_json(r.run_dir / SUMMARY_FILE) or {}
+            s = read_json_record(r.run_dir / SUMMARY_FILE) or {}
             if s.get("tokens_per_s") and s.get("flops_per_token"):
                 rates.append(float(s["tokens_per_s"]) * float(s["flops_per_token"]))
     rates.sort()
