@@ -14,7 +14,7 @@ from scipy import stats as sst
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
-from qkvlab.experiments.spec import load_spec, parse_spec, spec_names
+from qkvlab.experiments.spec import config_identity, load_spec, parse_spec, spec_names
 from qkvlab.experiments.stats import paired_t, summarize
 from qkvlab.experiments.variants import PAPER_SHAPE, derive, paper_variants
 from qkvlab.model.config import ModelConfig
@@ -157,9 +157,11 @@ def test_shipped_specs_resolve():
     assert all(g.config.train.objective == "mlm" and not g.config.model.causal for g in enc)
     assert [g.name for g in enc] == [g.name for g in load_spec("cpu-paper").groups()]
     nl = {g.name: g for g in load_spec("cpu-nonlinear-q").groups()}
-    assert nl["nonlinear-q.lr0.002"].config.model.projection == "nonlinear-q"
-    assert nl["nonlinear-q.lr0.002"].config.optim.lr == 2e-3
-    assert nl["baseline-lr.lr0.002"].family == "baseline"
+    assert nl["nonlinear-q"].config.model.projection == "nonlinear-q"
+    assert nl["wide-mlp"].config.model.mlp_ratio == 4.75
+    # The baseline is cpu-paper's, exactly: its finished runs can be copied across.
+    paper_base = load_spec("cpu-paper").groups()[0]
+    assert config_identity(nl["baseline"].config) == config_identity(paper_base.config)
     wd = load_spec("cpu-wd-stability").groups()
     assert sorted(g.config.optim.weight_decay for g in wd if g.family == "q-identity") == \
         [0.0, 0.03125, 0.1, 0.3]
