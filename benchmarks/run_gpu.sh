@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU check of issue 7, prepared as one command for a short lease on one GPU (an H200 here):
+# tokens/s, MFU and peak memory of the paper's baseline and W_Q = I (bf16, compiled, batch 16 x
+# 1024), then the baby shape, then decode with the KV cache. About 8 minutes, compile included.
+#
+#   OUT=/tmp/bench benchmarks/run_gpu.sh
+#
+# Runs from a source checkout without installing (PYTHONPATH=src). A machine whose python lacks
+# tomli-w (qkvlab's one dependency an ML image seldom has) gets it from wheels in .whl/ if any:
+#   pip download --no-deps --only-binary=:all: -d .whl tomli-w
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/bench}
+PY=${PY:-python3}
+mkdir -p "$OUT"
+if ! "$PY" -c "import tomli_w" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --target /tmp/qkvlab-site .whl/*.whl
+    export PYTHONPATH=/tmp/qkvlab-site
+fi
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
+
+run() {  # run NAME ARGS...: table to NAME.txt (and the terminal), numbers to NAME.json
+    local name=$1; shift
+    echo "== qkvlab bench $* --json $OUT/$name.json"
+    "$PY" -m qkvlab bench "$@" --json "$OUT/$name.json" | tee "$OUT/$name.txt"
+}
+
+# The paper's models (12x768, ctx 1024, vocab 50304), compiled, training only: the MFU and
+# share-of-ideal targets (>= 45%, >= 80%).
+run paper-cuda --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 5 \
+    --steps 10 --no-inference
+# Inference at the paper shape: prefill / decode with the cache at 128, 512, 1024.
+run paper-cuda-infer --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 1 \
+    --steps 1 --gen-tokens 256
+# The baby shape, all four schemes (small matmuls: launch overhead shows).
+run baby-cuda --shape baby --schemes baseline,q-identity,q-identity-wide,nonlinear-q \
+    --repeats 5 --steps 20 --gen-tokens 0
