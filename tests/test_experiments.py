@@ -262,6 +262,22 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
         assert len(w) == 8 and np.mean(w) == pytest.approx(loss[(g, 1)], rel=1e-5)
     assert groups["q-identity"]["per_window_vs_baseline"]["n"] == 8
 
+    # --versus: the same statistics against another variant (here: baseline - q-identity)
+    assert main(["report", str(killed), "--out", str(tmp_path / "vs"), "--versus",
+                 "q-identity"]) == 0
+    vs = json.loads((tmp_path / "vs" / "report.json").read_text())
+    vs_md = (tmp_path / "vs" / "report.md").read_text()
+    assert vs["baseline"] == "q-identity" and "--versus q-identity" in vs["command"]
+    back = {g["group"]: g for g in vs["groups"]}["baseline"]["paired_vs_baseline"]
+    assert back["mean"] == pytest.approx(-d.mean(), abs=1e-12)
+    assert (back["ci_low"], back["ci_high"]) == (pytest.approx(-hi), pytest.approx(-lo))
+    assert "Reference (`--versus`): **q-identity**" in vs_md and "than the baseline" not in vs_md
+    capsys.readouterr()
+    assert main(["report", str(killed), "--versus", "wide"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--versus wide is not a variant of spec" in err and "baseline, q-identity" in err
+    assert len(err.splitlines()) == 1
+
     # the archive (records, no checkpoints) reports the same and counts as a finished sweep
     archived = tmp_path / "archived"
     assert main(["archive", str(killed), str(archived)]) == 0

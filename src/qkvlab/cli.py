@@ -242,6 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-window", action="store_true",
                    help="also score each final checkpoint per validation window (secondary "
                         "paired view; loads the checkpoints)")
+    p.add_argument("--versus", default=None, metavar="VARIANT",
+                   help="pair every variant against this one instead of the spec's baseline "
+                        "(e.g. nonlinear-q vs a wider-MLP control)")
     _overrides(p)
     p.set_defaults(handler="qkvlab.experiments.report:report_command")
 

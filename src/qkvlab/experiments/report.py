@@ -255,12 +255,18 @@ class Report:
     spec: Spec
     sweep_dir: Path
     groups: list[GroupResult]
-    baseline: GroupResult
+    baseline: GroupResult  # the reference of the paired tests (the spec's, or --versus)
     record: dict[str, Any]
     per_window: bool
 
     def runs(self) -> list[RunData]:
         return [r for g in self.groups for r in g.runs]
+
+    @property
+    def ref(self) -> str:
+        """How the text names the reference of the paired tests: the spec's baseline, or the
+        variant `--versus` chose."""
+        return "the baseline" if self.baseline.group.baseline else self.baseline.group.name
 
 
 def _rules(spec: Spec) -> dict[str, str | None]:
@@ -268,7 +274,9 @@ def _rules(spec: Spec) -> dict[str, str | None]:
 
 
 def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
-                 overrides: list[str] | None = None) -> Report:
+                 overrides: list[str] | None = None, versus: str | None = None) -> Report:
+    """The statistics of a sweep folder; the paired tests are against the spec's baseline, or
+    against the group (or single-group variant) named by `versus`."""
     from qkvlab.model.params import count_params
 
     if not sweep_dir.is_dir():
@@ -309,7 +317,8 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
     if not any(r.status == "done" for g in results for r in g.runs):
         raise QkvlabError(f"no finished runs in {sweep_dir}: run `qkvlab sweep` to train them "
                           "(`--dry-run` shows their state)")
-    baseline = next(g for g in results if g.group.baseline)
+    baseline = next(g for g in results if g.group.baseline) if versus is None \
+        else _reference(results, versus, spec)
     base_by_seed = {r.seed: r for r in baseline.runs if r.status == "done"}
     for g in results:
         if g is baseline:
@@ -335,11 +344,23 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
     return Report(spec, sweep_dir, results, baseline, record, per_window)
 
 
-def paper_says(spec: Spec, g: GroupResult) -> str:
+def _reference(results: list[GroupResult], name: str, spec: Spec) -> GroupResult:
+    hits = [g for g in results if g.group.name == name] or \
+        [g for g in results if g.group.variant == name]
+    if len(hits) != 1:
+        names = ", ".join(g.group.name for g in results)
+        why = "names several groups" if hits else "is not a variant of"
+        raise QkvlabError(f"--versus {name} {why} spec {spec.name}: choose one of {names}")
+    return hits[0]
+
+
+def paper_says(spec: Spec, g: GroupResult, ref: GroupResult) -> str:
     """The paper's finding for a variant that is exactly one of its rules (no fields, no grid,
-    no overrides); "-" otherwise, since the paper says nothing about other settings."""
+    no overrides), compared with the spec's baseline; "-" otherwise, since the paper says
+    nothing about other settings or other references."""
     v = next((v for v in spec.variants if v.name == g.group.variant), None)
-    if v is None or v.fields or v.grid or v.set or v.rule not in PAPER_SAYS:
+    if not ref.group.baseline or v is None or v.fields or v.grid or v.set \
+            or v.rule not in PAPER_SAYS:
         return "-"
     if g.group.config.train.objective == "mlm":
         return "claimed for encoders, never trained"
@@ -357,11 +378,11 @@ def _p(p: float | None) -> str:
     return "< 0.0001" if p < 1e-4 else f"{p:.4f}" if p < 0.01 else f"{p:.3f}"
 
 
-def verdict(g: GroupResult) -> str:
-    """One sentence on a variant vs the baseline, in words a reader can check in the tables."""
+def verdict(g: GroupResult, ref: str = "the baseline") -> str:
+    """One sentence on a variant vs the reference, in words a reader can check in the tables."""
     t = g.paired
     if t is None or t.mean is None:
-        return f"{g.group.name}: no seed has both this variant and the baseline finished."
+        return f"{g.group.name}: no seed has both this variant and {ref} finished."
     diff = f"{t.mean:+.4f} ({_f(g.rel_pct, '+.2f')}%)"
     if t.n < 2:
         return (f"{g.group.name}: one seed only, difference {diff}; one seed cannot tell a "
@@ -369,9 +390,9 @@ def verdict(g: GroupResult) -> str:
     ci = f"95% CI [{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}]"
     if t.significant:
         word = "lower (better)" if t.mean < 0 else "higher (worse)"
-        return (f"{g.group.name}: validation loss {word} than the baseline by {diff}, {ci}, "
+        return (f"{g.group.name}: validation loss {word} than {ref} by {diff}, {ci}, "
                 f"p = {_p(t.p)} over {t.n} seeds.")
-    return (f"{g.group.name}: no significant difference from the baseline at the 5% level "
+    return (f"{g.group.name}: no significant difference from {ref} at the 5% level "
             f"({diff}, {ci} includes 0, p = {_p(t.p)}, {t.n} seeds).")
 
 
@@ -454,8 +475,9 @@ def plot_rel(rep: Report, path: Path) -> None:
                             [m + s for m, s in zip(mean, std, strict=True)],
                             color=line.get_color(), alpha=0.2, lw=0)
     ax.axhline(0, color="gray", lw=0.8)
-    ax.set(xlabel="step", ylabel="% vs baseline (same seed)",
-           title="relative validation-loss difference vs baseline (below 0: better)")
+    ref = rep.baseline.group.name
+    ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
+           title=f"relative validation-loss difference vs {ref} (below 0: better)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -520,7 +542,7 @@ def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: P
            "(mean +- std over seeds)")
     ax_d.axhline(0, color="gray", lw=0.8)
     ax_d.set(xlabel=key, ylabel=f"loss - {rep.baseline.group.name} (same seed)",
-             title="paired difference vs baseline (95% CI)")
+             title=f"paired difference vs {rep.baseline.group.name} (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -581,12 +603,13 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     n_done = sum(r.status == "done" for r in rep.runs())
     # the spec's grid, plus any extra seeds the folder holds; not only the folders begun so far
     n_all = sum(len(set(rep.spec.seeds) | {r.seed for r in g.runs}) for g in rep.groups)
-    L.append(f"{n_done} of {n_all} runs finished. Baseline: **{base.group.name}**, final "
+    role = "Baseline" if base.group.baseline else "Reference (`--versus`)"
+    L.append(f"{n_done} of {n_all} runs finished. {role}: **{base.group.name}**, final "
              f"validation loss {_pm(base.loss)} over {base.loss.n} seed(s).")
     L.append("")
     for g in rep.groups:
         if g is not base:
-            L.append(f"- {verdict(g)}")
+            L.append(f"- {verdict(g, rep.ref)}")
     fails = [r for r in rep.runs() if r.status == "failed"]
     if fails:
         why = ["diverged" if r.diverged else r.error[:80] for r in fails]
@@ -608,8 +631,9 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
                  f"{_pm(g.loss)} |" + (f" {_pm(g.acc)} |" if mlm else "")
                  + f" {_f(g.tokens_per_s.mean, ',.0f')} |")
     L += ["", f"## Paired differences vs {base.group.name} (primary: seed level)", "",
-          "d_s = final val loss(variant, seed s) - final val loss(baseline, seed s); same "
-          "seed = same initial-weight seed and batch order, same fixed validation windows. "
+          "d_s = final val loss(variant, seed s) - final val loss"
+          f"({base.group.name}, seed s); same seed = same initial-weight seed and batch order, "
+          "same fixed validation windows. "
           "t-test of the d_s against 0 (n - 1 degrees of freedom), two-sided p, 95% t "
           "interval. Negative = the variant has lower loss.", "",
           "| variant | pairs (seeds) | mean diff | std | 95% CI | t | p | relative | "
@@ -619,7 +643,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
         if g is base:
             continue
         t = g.paired
-        paper = paper_says(rep.spec, g)
+        paper = paper_says(rep.spec, g, base)
         if t is None:
             L.append(f"| {g.group.name} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | {paper} |")
             continue
@@ -631,7 +655,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     if rep.per_window:
         L += ["", "## Per-window view (secondary)", "",
               "Each final checkpoint scored window by window on the same fixed validation "
-              "windows; per window, the difference to the baseline is averaged over the paired "
+              f"windows; per window, the difference to {rep.ref} is averaged over the paired "
               "seeds, then tested over windows. Windows are neighbouring pieces of one text "
               "scored by the same few models, so they are not independent: this narrows the "
               "interval more than the evidence warrants. Trust the seed-level test above.", "",
@@ -742,13 +766,16 @@ def report_command(args: argparse.Namespace) -> int:
     parts += ["--out", str(out)]
     if args.per_window:
         parts.append("--per-window")
+    if getattr(args, "versus", None):
+        parts += ["--versus", args.versus]
     for item in overrides:
         parts += ["--set", item]
     command = " ".join(shlex.quote(p) for p in parts)
-    rep = build_report(spec, sweep_dir, per_window=bool(args.per_window), overrides=overrides)
+    rep = build_report(spec, sweep_dir, per_window=bool(args.per_window), overrides=overrides,
+                       versus=getattr(args, "versus", None))
     path = write_report(rep, out, command)
     for g in rep.groups:
         if g is not rep.baseline:
-            print(verdict(g))
+            print(verdict(g, rep.ref))
     print(f"report: {path}")
     return 0
