@@ -292,6 +292,45 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     assert main(["archive", str(tmp_path), str(tmp_path / "x")]) == 2  # not a sweep folder
 
 
+def test_reuse_copies_finished_runs_of_the_same_config(data_dir, tmp_path, capsys):
+    first = tmp_path / "first"
+    assert main(["sweep", str(write_spec(tmp_path / "a", data_dir)), "--out", str(first)]) == 0
+    other = write_spec(tmp_path / "b", data_dir, name="other",
+                       extra='[[variant]]\nname = "nlq"\nrule = "nonlinear-q"\n')
+    second = tmp_path / "second"
+    capsys.readouterr()
+    assert main(["sweep", str(other), "--out", str(second), "--dry-run", "--reuse",
+                 str(first)]) == 0
+    assert "4 of them would be copied from --reuse" in capsys.readouterr().out
+    assert not second.exists()  # a dry run copies nothing
+    assert main(["sweep", str(other), "--out", str(second), "--reuse", str(first)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("copied the finished run") == 4 and out.count("] ") == 2  # nlq trained
+    for group in ("baseline", "q-identity"):
+        for seed in (1, 2):
+            a, b = first / group / f"seed-{seed}", second / group / f"seed-{seed}"
+            assert (b / "metrics.jsonl").read_text() == (a / "metrics.jsonl").read_text()
+            assert load_config(b / "config.toml").out_dir == str(b)  # this sweep's folder
+            assert json.loads((b / "reused.json").read_text())["from"] == str(a.resolve())
+    assert not list(second.rglob("*.copying"))
+    assert main(["sweep", str(second)]) == 0
+    assert "all 6 runs done" in capsys.readouterr().out
+    assert main(["report", str(second), "--out", str(tmp_path / "r"), "--per-window"]) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert sum(r["reused_from"] is not None for r in rep["runs"]) == 4
+    assert f"4 run(s) copied from the sweep `{first.resolve()}`" in \
+        (tmp_path / "r" / "report.md").read_text()
+    # another config (a different lr) is not the same run: nothing is copied
+    capsys.readouterr()
+    assert main(["sweep", str(other), "--out", str(tmp_path / "third"), "--dry-run",
+                 "--set", "optim.lr=1e-3", "--reuse", str(first)]) == 0
+    assert "copied from --reuse" not in capsys.readouterr().out
+    assert main(["sweep", str(other), "--out", str(tmp_path / "x"), "--reuse",
+                 str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a sweep folder" in err and len(err.splitlines()) == 1
+
+
 def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "specs", data_dir)
     out = tmp_path / "sweep"

@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
     p.add_argument("--yes", action="store_true", help="allow launching more than 100 runs")
     p.add_argument("--retry-failed", action="store_true", help="retrain runs that failed before")
+    p.add_argument("--reuse", action="append", default=None, metavar="SWEEP_DIR",
+                   help="copy finished runs with the same config and seed from this other "
+                        "sweep folder instead of training them (repeatable)")
     _overrides(p)
     p.set_defaults(handler="qkvlab.experiments.sweep:sweep_command")
 

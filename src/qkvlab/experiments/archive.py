@@ -14,10 +14,11 @@ from pathlib import Path
 
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.report import WINDOW_FILE
-from qkvlab.experiments.sweep import FAILED_FILE, SUMMARY_FILE, SWEEP_FILE
+from qkvlab.experiments.sweep import FAILED_FILE, REUSED_FILE, SUMMARY_FILE, SWEEP_FILE
 
 SWEEP_RECORDS = (SWEEP_FILE, "spec.toml")
-RUN_RECORDS = ("config.toml", "metrics.jsonl", SUMMARY_FILE, FAILED_FILE, WINDOW_FILE)
+RUN_RECORDS = ("config.toml", "metrics.jsonl", SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
+               REUSED_FILE)
 
 
 def archive_sweep(src: Path, dest: Path) -> int:

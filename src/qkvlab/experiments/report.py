@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from qkvlab.experiments.stats import PairedTest, Summary, paired_t, relative, su
 from qkvlab.experiments.sweep import (
     CONFIG_FILE,
     FAILED_FILE,
+    REUSED_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
     machine_info,
@@ -99,13 +101,15 @@ class RunData:
     error: str = ""
     diverged: bool = False
     windows: list[float] | None = None  # per-window final losses (--per-window)
+    reused_from: str | None = None  # copied from another sweep by `qkvlab sweep --reuse`
 
     def as_dict(self) -> dict[str, Any]:
         return {"group": self.group, "seed": self.seed, "run_dir": str(self.run_dir),
                 "status": self.status, "steps": self.steps, "max_steps": self.max_steps,
                 "final_val_loss": self.final_loss, "final_val_acc": self.final_acc,
                 "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
-                "error": self.error or None, "diverged": self.diverged}
+                "error": self.error or None, "diverged": self.diverged,
+                "reused_from": self.reused_from}
 
 
 def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
@@ -139,6 +143,7 @@ def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
     elif records:
         data.status = "partial"
     data.tokens = data.steps * _tokens_per_step(run_dir, group)
+    data.reused_from = (read_json_record(run_dir / REUSED_FILE) or {}).get("from")
     return data
 
 
@@ -583,6 +588,11 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
                                   if s.get("machine")))
     for m in machines:
         L.append(f"- Trained on: {m}")
+    copied = Counter(str(Path(r.reused_from).parent.parent) for r in rep.runs()
+                     if r.reused_from)  # <sweep>/<group>/seed-<n> -> <sweep>
+    for src, n in sorted(copied.items()):
+        L.append(f"- {n} run(s) copied from the sweep `{src}` (same config and seed; "
+                 "`qkvlab sweep --reuse`)")
     L.append(f"- Report machine: {_machine_line(machine_info())}")
     devices = sorted({f"{s.get('device')} {s.get('dtype')}" for r in rep.runs()
                       if r.status == "done"
@@ -710,7 +720,8 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
             folder = r.run_dir.relative_to(rep.sweep_dir)
         except ValueError:
             folder = r.run_dir
-        status = r.status + (" (diverged)" if r.diverged else "")
+        status = r.status + (" (diverged)" if r.diverged else "") \
+            + (" (copied, --reuse)" if r.reused_from else "")
         L.append(f"| {r.group} | {r.seed} | {status} | {r.steps:,}/{r.max_steps:,} | "
                  f"{_f(r.final_loss)} |" + (f" {_f(r.final_acc)} |" if mlm else "")
                  + f" {_f(r.tokens_per_s, ',.0f')} | {folder} |")

@@ -8,7 +8,9 @@ the config of every run folder that already exists.
 
 Re-running the same command continues: finished runs are skipped, interrupted ones resume from
 their latest checkpoint (exactly, see train/trainer.py), runs that failed (diverged) are
-skipped unless --retry-failed. The folder layout::
+skipped unless --retry-failed. `--reuse OTHER_SWEEP` copies the finished runs of another sweep
+that have the same trajectory-deciding config and seed instead of training them again. The
+folder layout::
 
     <out>/sweep.json                 spec name, fingerprints, the commands and machines
     <out>/spec.toml                  the spec, as data
@@ -55,6 +57,7 @@ SWEEP_FILE = "sweep.json"
 FAILED_FILE = "failed.json"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.toml"
+REUSED_FILE = "reused.json"  # in a run copied from another sweep by --reuse: from where
 MAX_RUNS_WITHOUT_YES = 100  # more runs than this to launch needs --yes
 MAX_SESSIONS = 100  # sessions kept in sweep.json
 
@@ -145,6 +148,8 @@ def sweep_command_line(args: argparse.Namespace, out: Path) -> str:
         parts += ["--set", item]
     if getattr(args, "launcher", None):
         parts += ["--launcher", args.launcher]
+    for src in getattr(args, "reuse", None) or []:
+        parts += ["--reuse", src]
     return _join(parts)
 
 
@@ -420,6 +425,58 @@ def materialize(run: Run) -> None:
                 run.run_dir / CONFIG_FILE)
 
 
+# ---- finished runs of another sweep -------------------------------------------------------
+def find_reusable(runs: list[Run], states: dict[Path, RunState],
+                  sources: list[str]) -> dict[Path, Path]:
+    """For each run not begun here, a finished run with the same trajectory-deciding config and
+    seed in one of the `sources` sweep folders (e.g. cpu-nonlinear-q's baseline is cpu-paper's),
+    keyed by this run's folder."""
+    from qkvlab.train.config import load_config
+
+    finished: dict[str, Path] = {}
+    for source in sources:
+        src = Path(source)
+        if not (src / SWEEP_FILE).is_file():
+            raise QkvlabError(f"--reuse {src}: not a sweep folder (no {SWEEP_FILE}); name the "
+                              "folder `qkvlab sweep` wrote")
+        for cfg_path in sorted(src.glob(f"*/seed-*/{CONFIG_FILE}")):
+            summary = read_json_record(cfg_path.parent / SUMMARY_FILE)
+            if not summary or summary.get("interrupted"):
+                continue
+            try:
+                cfg = load_config(cfg_path)
+            except QkvlabError:
+                continue  # not a run this qkvlab can read: nothing to reuse
+            if int(summary.get("steps") or 0) >= cfg.train.max_steps:
+                key = json.dumps([config_identity(cfg), cfg.train.seed], sort_keys=True)
+                finished.setdefault(key, cfg_path.parent)
+    found = {}
+    for run in runs:
+        if states[run.run_dir].status == "pending" and not run.run_dir.exists():
+            key = json.dumps([config_identity(run.config), run.seed], sort_keys=True)
+            if key in finished:
+                found[run.run_dir] = finished[key]
+    return found
+
+
+def copy_finished_run(run: Run, src: Path) -> None:
+    """Copy a finished run into this sweep (checkpoints too, so --per-window can score it), under
+    this run's name and folder; `reused.json` says where it came from."""
+    import shutil
+
+    from qkvlab.fsutil import write_text_atomic
+
+    tmp = run.run_dir.with_name(f".{run.run_dir.name}.copying")  # not a seed-* folder
+    shutil.rmtree(tmp, ignore_errors=True)  # a copy cut short earlier
+    shutil.copytree(src, tmp)
+    (tmp / FAILED_FILE).unlink(missing_ok=True)
+    (tmp / REUSED_FILE).unlink(missing_ok=True)
+    os.replace(tmp, run.run_dir)
+    materialize(run)  # this sweep's run name and out_dir in config.toml
+    write_text_atomic(run.run_dir / REUSED_FILE, json.dumps(
+        {"from": str(src.resolve()), "copied": now_iso()}, indent=1) + "\n")
+
+
 def _record_failure(run: Run, error: str) -> None:
     from qkvlab.fsutil import write_text_atomic
 
@@ -442,6 +499,7 @@ def sweep_command(args: argparse.Namespace) -> int:
     record = check_sweep_dir(out, spec, groups)
     check_run_dirs(runs)
     states = {r.run_dir: run_state(r) for r in runs}
+    reusable = find_reusable(runs, states, getattr(args, "reuse", None) or [])
     retry = bool(getattr(args, "retry_failed", False))
     todo = [r for r in runs if states[r.run_dir].status in ("pending", "partial")
             or (retry and states[r.run_dir].status == "failed")]
@@ -460,6 +518,8 @@ def sweep_command(args: argparse.Namespace) -> int:
                           f"about {flops / speed / 3600:.2g} hours")
         for note in notes:
             console.print(note)
+        if reusable:
+            console.print(f"{len(reusable)} of them would be copied from --reuse, not trained")
         if len(todo) > MAX_RUNS_WITHOUT_YES:
             console.print(f"running them needs --yes (more than {MAX_RUNS_WITHOUT_YES} runs)")
         return 0
@@ -475,6 +535,12 @@ def sweep_command(args: argparse.Namespace) -> int:
     })
     record["sessions"] = record["sessions"][-MAX_SESSIONS:]
     write_sweep_record(out, record, spec)
+    for run in todo:
+        if run.run_dir in reusable:
+            copy_finished_run(run, reusable[run.run_dir])
+            states[run.run_dir] = run_state(run)
+            console.print(f"{run.label}: copied the finished run {reusable[run.run_dir]}")
+    todo = [r for r in todo if r.run_dir not in reusable]
 
     if args.print_commands:
         cwd = shlex.quote(str(Path.cwd()))
