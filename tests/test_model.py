@@ -62,11 +62,12 @@ def reference_attention(attn: Attention, x: torch.Tensor, causal: bool) -> torch
 @pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n_kv_head", [4, 2])
-def test_attention_matches_einsum_reference(projection, causal, n_kv_head):
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_attention_matches_einsum_reference(projection, causal, n_kv_head, attn_impl):
     if projection in ("k-identity", "v-identity") and n_kv_head != 4:
         pytest.skip("key/value identity needs n_kv_head == n_head")
     torch.manual_seed(0)
-    cfg = tiny(projection=projection, causal=causal, n_kv_head=n_kv_head)
+    cfg = tiny(projection=projection, causal=causal, n_kv_head=n_kv_head, attn_impl=attn_impl)
     attn = Attention(cfg).double()
     for p in attn.parameters():  # move off the tiny init so differences would show
         torch.nn.init.normal_(p, 0.0, 0.3)
@@ -107,10 +108,11 @@ def test_encoder_is_bidirectional():
 
 @pytest.mark.parametrize("projection", PROJECTIONS)
 @pytest.mark.parametrize("positions", ["learned", "rope"])
-def test_kv_cache_logits_equal_full_forward(projection, positions):
+@pytest.mark.parametrize("attn_impl", ["sdpa", "eager"])
+def test_kv_cache_logits_equal_full_forward(projection, positions, attn_impl):
     torch.manual_seed(2)
-    cfg = tiny(projection=projection, positions=positions, n_kv_head=4 if "k" in projection
-               or "v" in projection else 2)
+    cfg = tiny(projection=projection, positions=positions, attn_impl=attn_impl,
+               n_kv_head=4 if "k" in projection or "v" in projection else 2)
     model = GPT(cfg).double().eval()
     idx = torch.randint(0, 50, (2, 14))
     full, _ = model(idx)
@@ -296,6 +298,27 @@ def test_bf16_autocast_forward_and_backward(projection):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_eager_attention_trains_like_sdpa_under_bf16(causal):
+    """Same weights, bf16 autocast: the eager path's bf16 scores stay within bf16 noise of
+    SDPA's fp32 ones, in the loss and in every gradient."""
+    torch.manual_seed(6)
+    models = {impl: GPT(tiny(causal=causal, attn_impl=impl)) for impl in ("sdpa", "eager")}
+    models["eager"].load_state_dict(models["sdpa"].state_dict())
+    idx = torch.randint(0, 50, (4, 16))
+    losses = {}
+    for impl, model in models.items():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, losses[impl] = model(idx, idx)
+        losses[impl].backward()
+    assert abs(losses["eager"].item() - losses["sdpa"].item()) < 2e-3
+    for (name, a), b in zip(models["sdpa"].named_parameters(), models["eager"].parameters(),
+                            strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=2e-3, rtol=5e-2, msg=name)
+    with pytest.raises(QkvlabError, match="attn_impl='flash' is not one of sdpa, eager"):
+        tiny(attn_impl="flash")
 
 
 def test_shared_layers_and_residual_layouts_run():

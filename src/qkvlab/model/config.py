@@ -22,6 +22,11 @@ POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
 # "full": x + attn(n1 x), then + mlp(n2 x) (GPT-2). "attention": skip around attention only,
 # X_{l+1} = MLP(X_l + MHA(X_l)) (PAPER.md section 2.2). "none": no skips at all.
 RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
+# How softmax(q k^T * scale) v is computed (the names Hugging Face uses): "sdpa", PyTorch's
+# scaled_dot_product_attention (flash/memory-efficient kernels, fp32 scores); "eager", plain
+# matmuls with the T x T scores in the matmul dtype, ~3x faster than SDPA's CPU kernel for bf16
+# training at d_k = 64 (docs/results/bench-*-eager*).
+ATTN_IMPLS: tuple[str, ...] = ("sdpa", "eager")
 
 
 @dataclass
@@ -49,6 +54,7 @@ class ModelConfig:
     causal: bool = True  # False: bidirectional encoder
     projection: str = "baseline"
     attn_scale: float | None = None  # None: the scheme's default (see default_attn_scale)
+    attn_impl: str = "sdpa"  # "sdpa" | "eager", see ATTN_IMPLS
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -117,6 +123,7 @@ class ModelConfig:
             ("norm", NORMS),
             ("positions", POSITIONS),
             ("residual", RESIDUALS),
+            ("attn_impl", ATTN_IMPLS),
         ):
             value = getattr(self, name)
             need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")

@@ -68,6 +68,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
+def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                    is_causal: bool = False, scale: float | None = None,
+                    enable_gqa: bool = False) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v in plain matmuls, with SDPA's arguments and meaning
+    (attn_mask: True = may attend; is_causal: the top-left-aligned triangle). The scores stay in
+    the matmul dtype (bf16 under autocast), as in nanoGPT's and Hugging Face's eager attention."""
+    if enable_gqa:
+        rep = q.size(-3) // k.size(-3)
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    att = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    if is_causal:
+        attn_mask = torch.ones(att.shape[-2:], dtype=torch.bool, device=att.device).tril()
+    if attn_mask is not None:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    att = torch.softmax(att, dim=-1)
+    if dropout_p:
+        att = F.dropout(att, dropout_p)
+    return att @ v
+
+
 class Attention(nn.Module):
     """Multi-head (or grouped-query) attention whose Q, K or V projection may be the identity.
 
@@ -144,7 +165,9 @@ class Attention(nn.Module):
                 if T > 1:
                     qpos = torch.arange(start_pos, end, device=x.device)[:, None]
                     mask = qpos >= torch.arange(end, device=x.device)[None, :]
-        y = F.scaled_dot_product_attention(
+        attend = eager_attention if self.cfg.attn_impl == "eager" else \
+            F.scaled_dot_product_attention
+        y = attend(
             q, k, v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
