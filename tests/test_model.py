@@ -6,13 +6,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT, PROJECTIONS, ModelConfig
 from qkvlab.model.generate import generate, sample_next
-from qkvlab.model.gpt import Attention
+from qkvlab.model.gpt import Attention, eager_attention
 from qkvlab.model.params import count_params, flops_per_token
 
 PAPER = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
@@ -298,6 +299,26 @@ def test_bf16_autocast_forward_and_backward(projection):
     loss.backward()
     assert torch.isfinite(loss)
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "float", "per-batch"])
+@pytest.mark.parametrize("n_kv_head", [4, 2])
+def test_eager_attention_equals_sdpa(mask, n_kv_head):
+    """eager_attention takes SDPA's arguments with SDPA's meaning (float64: exact to rounding),
+    queries fewer than keys included (a KV-cache chunk)."""
+    torch.manual_seed(7)
+    n_q, n_k = (7, 7) if mask == "causal" else (3, 7)
+    q = torch.randn(2, 4, n_q, 8, dtype=torch.float64)
+    k, v = (torch.randn(2, n_kv_head, n_k, 8, dtype=torch.float64) for _ in range(2))
+    attn_mask = {None: None, "causal": None,
+                 "bool": torch.arange(4, 7)[:, None] >= torch.arange(7)[None, :],
+                 "float": torch.randn(n_q, n_k, dtype=torch.float64),
+                 "per-batch": torch.randn(2, 1, n_q, n_k, dtype=torch.float64)}[mask]
+    kw = dict(attn_mask=attn_mask, is_causal=mask == "causal", scale=0.3,
+              enable_gqa=n_kv_head != 4)
+    torch.testing.assert_close(eager_attention(q, k, v, **kw),
+                               F.scaled_dot_product_attention(q, k, v, **kw),
+                               atol=1e-12, rtol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [True, False])

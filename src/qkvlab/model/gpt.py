@@ -72,21 +72,37 @@ def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
                     is_causal: bool = False, scale: float | None = None,
                     enable_gqa: bool = False) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v in plain matmuls, with SDPA's arguments and meaning
-    (attn_mask: True = may attend; is_causal: the top-left-aligned triangle). The scores stay in
-    the matmul dtype (bf16 under autocast), as in nanoGPT's and Hugging Face's eager attention."""
+    """softmax(q k^T * scale + mask) v in plain batched matmuls, with SDPA's arguments and
+    meaning (attn_mask: True = may attend, or an additive float mask; is_causal: the
+    top-left-aligned triangle). The scores stay in the matmul dtype (bf16 under autocast), as in
+    nanoGPT's and Hugging Face's eager attention."""
+    *batch, n_q, d_k = q.shape
     if enable_gqa:
         rep = q.size(-3) // k.size(-3)
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    att = (q @ k.transpose(-2, -1)) * (q.size(-1) ** -0.5 if scale is None else scale)
+    n_k = k.size(-2)
     if is_causal:
-        attn_mask = torch.ones(att.shape[-2:], dtype=torch.bool, device=att.device).tril()
-    if attn_mask is not None:
-        att = att.masked_fill(~attn_mask, float("-inf"))
+        attn_mask = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is None:
+        bias = torch.zeros((), dtype=q.dtype, device=q.device)
+    elif attn_mask.dtype == torch.bool:
+        bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+        bias = bias.masked_fill(~attn_mask, float("-inf"))
+    else:
+        bias = attn_mask.to(q.dtype)
+    # One op for scale * q k^T + mask: no separate passes over the T x T scores to scale and
+    # mask them, forward or backward (a per-batch mask is added afterwards).
+    scale = d_k ** -0.5 if scale is None else scale
+    q3, k3 = q.reshape(-1, n_q, d_k), k.reshape(-1, n_k, d_k)
+    if bias.dim() <= 2:
+        att = torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale)
+    else:
+        att = (torch.bmm(q3, k3.transpose(1, 2)) * scale).view(*batch, n_q, n_k) + bias
     att = torch.softmax(att, dim=-1)
     if dropout_p:
         att = F.dropout(att, dropout_p)
-    return att @ v
+    y = torch.bmm(att.reshape(-1, n_q, n_k), v.reshape(-1, n_k, v.size(-1)))
+    return y.view(*batch, n_q, v.size(-1))
 
 
 class Attention(nn.Module):
