@@ -23,6 +23,11 @@ cp runs/compare/compare.json "$R/compare-quick.json"
 run bench-baby-bf16-compile qkvlab bench --shape baby \
     --schemes baseline,q-identity,q-identity-wide,nonlinear-q --compile --repeats 5 --steps 3 \
     --gen-repeats 3 --json "$R/bench-baby-bf16-compile.json"
-run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 3 \
+run bench-baby-bf16-eager qkvlab bench --shape baby \
+    --schemes baseline,q-identity,q-identity-wide,nonlinear-q --repeats 5 --steps 3 \
+    --set model.attn_impl=eager --json "$R/bench-baby-bf16-eager.json"
+rm -rf "$R/bench-baby-share"
+OUT="$R/bench-baby-share" RUNS=4 benchmarks/baby_share.sh | tee "$R/bench-baby-share/summary.txt"
+run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 5 \
     --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
 log done
