@@ -26,7 +26,7 @@ run bench-baby-bf16-compile qkvlab bench --shape baby \
 run bench-baby-bf16-eager qkvlab bench --shape baby \
     --schemes baseline,q-identity,q-identity-wide,nonlinear-q --repeats 5 --steps 3 \
     --set model.attn_impl=eager --json "$R/bench-baby-bf16-eager.json"
-rm -rf "$R/bench-baby-share"
+rm -rf "$R/bench-baby-share"; mkdir -p "$R/bench-baby-share"
 OUT="$R/bench-baby-share" RUNS=4 benchmarks/baby_share.sh | tee "$R/bench-baby-share/summary.txt"
 run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 5 \
     --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
