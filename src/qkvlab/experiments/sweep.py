@@ -431,6 +431,8 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
     """For each run not begun here, a finished run with the same trajectory-deciding config and
     seed in one of the `sources` sweep folders (e.g. cpu-nonlinear-q's baseline is cpu-paper's),
     keyed by this run's folder."""
+    if not sources:
+        return {}
     from qkvlab.train.config import load_config
 
     finished: dict[str, Path] = {}
