@@ -41,6 +41,7 @@ from qkvlab.experiments.sweep import (
     REUSED_FILE,
     SUMMARY_FILE,
     SWEEP_FILE,
+    is_finished,
     machine_info,
     now_iso,
     read_json_record,
@@ -125,8 +126,7 @@ def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
     data.tokens_per_s = median_tokens_per_s(records)
     summary = read_json_record(run_dir / SUMMARY_FILE)
     failed = read_json_record(run_dir / FAILED_FILE)
-    done = summary is not None and not summary.get("interrupted") \
-        and int(summary.get("steps") or 0) >= max_steps
+    done = is_finished(summary, max_steps)
     if done:
         data.status = "done"
         data.steps = int(summary["steps"])

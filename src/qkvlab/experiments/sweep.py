@@ -81,13 +81,19 @@ def read_json_record(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def is_finished(summary: dict[str, Any] | None, max_steps: int) -> bool:
+    """A run's summary.json says it ran to max_steps (not stopped early by Ctrl-C)."""
+    return bool(summary) and not summary.get("interrupted") \
+        and int(summary.get("steps") or 0) >= max_steps
+
+
 def run_state(run: Run) -> RunState:
     from qkvlab.train.checkpoint import ckpt_step, list_checkpoints
 
     run_dir = run.run_dir
     summary = read_json_record(run_dir / SUMMARY_FILE)
     max_steps = run.config.train.max_steps
-    if summary and not summary.get("interrupted") and int(summary.get("steps") or 0) >= max_steps:
+    if is_finished(summary, max_steps):
         return RunState("done", int(summary["steps"]), summary.get("final_val_loss"))
     failed = read_json_record(run_dir / FAILED_FILE)
     ckpts = list_checkpoints(run_dir)
@@ -435,6 +441,9 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
         return {}
     from qkvlab.train.config import load_config
 
+    def key(cfg: Any, seed: int) -> str:
+        return json.dumps([config_identity(cfg), seed], sort_keys=True)
+
     finished: dict[str, Path] = {}
     for source in sources:
         src = Path(source)
@@ -442,23 +451,16 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
             raise QkvlabError(f"--reuse {src}: not a sweep folder (no {SWEEP_FILE}); name the "
                               "folder `qkvlab sweep` wrote")
         for cfg_path in sorted(src.glob(f"*/seed-*/{CONFIG_FILE}")):
-            summary = read_json_record(cfg_path.parent / SUMMARY_FILE)
-            if not summary or summary.get("interrupted"):
-                continue
             try:
                 cfg = load_config(cfg_path)
             except QkvlabError:
                 continue  # not a run this qkvlab can read: nothing to reuse
-            if int(summary.get("steps") or 0) >= cfg.train.max_steps:
-                key = json.dumps([config_identity(cfg), cfg.train.seed], sort_keys=True)
-                finished.setdefault(key, cfg_path.parent)
-    found = {}
-    for run in runs:
-        if states[run.run_dir].status == "pending" and not run.run_dir.exists():
-            key = json.dumps([config_identity(run.config), run.seed], sort_keys=True)
-            if key in finished:
-                found[run.run_dir] = finished[key]
-    return found
+            if is_finished(read_json_record(cfg_path.parent / SUMMARY_FILE),
+                           cfg.train.max_steps):
+                finished.setdefault(key(cfg, cfg.train.seed), cfg_path.parent)
+    return {run.run_dir: finished[key(run.config, run.seed)] for run in runs
+            if states[run.run_dir].status == "pending" and not run.run_dir.exists()
+            and key(run.config, run.seed) in finished}
 
 
 def copy_finished_run(run: Run, src: Path) -> None:
