@@ -6,11 +6,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy import stats
 
 from qkvlab.bench import report
 from qkvlab.bench.peak import resolve_peak
 from qkvlab.bench.run import SCHEMES, SHAPES, scheme_config
-from qkvlab.bench.timing import Spread
+from qkvlab.bench.timing import Spread, median_interval
 from qkvlab.bench.workloads import TrainBench
 from qkvlab.cli import main
 from qkvlab.model import GPT, PROJECTIONS, ModelConfig
@@ -107,8 +110,8 @@ def test_bad_arguments_are_user_errors(extra, capsys):
 
 
 def test_repeats_interleave_schemes(monkeypatch, tmp_path):
-    """A B A B ...: every repeat visits each scheme once, in order, and equal times give a
-    measured speed-up of exactly 1 (so a share realised of exactly 0)."""
+    """A B, B A, A B: every repeat visits each scheme once, the order flipping each time, and
+    equal times give a measured speed-up of exactly 1 (so a share realised of exactly 0)."""
     order: list[str] = []
 
     def fake_time_steps(self, steps):
@@ -117,9 +120,10 @@ def test_repeats_interleave_schemes(monkeypatch, tmp_path):
 
     monkeypatch.setattr(TrainBench, "time_steps", fake_time_steps)
     data = run_json(tmp_path, "--repeats", "3", "--no-inference")
-    assert order == ["baseline", "q-identity"] * 3
+    assert order == ["baseline", "q-identity", "q-identity", "baseline", "baseline", "q-identity"]
     s = data["summary"]
     assert s["measured_speedup"] == 1.0 and s["share_realised"] == 0.0
+    assert s["share_realised_ci"] == [0.0, 0.0]
     assert s["warnings"] == []  # steady timings, MFU far below 100% of the given 1 TFLOP/s
     tps = data["schemes"]["baseline"]["train"]["tokens_per_s"]
     assert tps["values"] == [2 * 32 / 0.5] * 3
@@ -218,3 +222,45 @@ def test_compiled_bench_end_to_end(tmp_path):
     data = run_json(tmp_path, "--compile", "--no-inference")
     assert data["machine"]["compile"] is True
     assert all(d["train"]["tokens_per_s"]["median"] > 0 for d in data["schemes"].values())
+
+
+def test_median_interval_order_statistics():
+    # n = 5: no interval reaches 95%; [min, max] covers 1 - 2/32
+    ci = median_interval([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (ci.low, ci.high, ci.coverage) == (1.0, 5.0, pytest.approx(0.9375))
+    # n = 20: the sign test's textbook interval is x_(6) .. x_(15), coverage 95.86%
+    ci = median_interval([float(i) for i in range(1, 21)])
+    assert (ci.low, ci.high) == (6.0, 15.0)
+    assert ci.coverage == pytest.approx(1 - 2 * stats.binom.cdf(5, 20, 0.5))
+    with pytest.raises(ValueError):
+        median_interval([1.0])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.floats(0.5, 2.0), min_size=2, max_size=80))
+def test_median_interval_brackets_the_median(values):
+    ci = median_interval(values)
+    assert ci.low <= Spread.of(values).median <= ci.high
+    assert ci.coverage >= 0.95 or len(values) < 6
+
+
+@pytest.mark.parametrize("n", [6, 7, 12, 25, 40, 101])
+def test_median_interval_is_the_narrowest_at_the_level(n):
+    ci = median_interval([float(i) for i in range(1, n + 1)])
+    k = int(ci.low)  # values 1..n: the k-th order statistic is k
+    assert ci.high == n + 1 - k
+    assert ci.coverage == pytest.approx(1 - 2 * stats.binom.cdf(k - 1, n, 0.5))
+    assert ci.coverage >= 0.95 > 1 - 2 * stats.binom.cdf(k, n, 0.5)  # k + 1 would fall short
+
+
+def test_summary_share_interval():
+    # ratios 1.00, 1.02, ..., 1.18 (10 pairs): the 95% interval for the median ratio is
+    # x_(2) .. x_(9) = 1.02 .. 1.16, so the share (ideal 1.1) is 20% .. 160%
+    ratios = [1 + 0.02 * i for i in range(10)]
+    results = _fake_results({"baseline": 110.0, "q-identity": 100.0},
+                            {"baseline": [100.0] * 10, "q-identity": [100.0 * r for r in ratios]})
+    s = report.summarise(results)
+    v = s["versus_reference"]["q-identity"]
+    assert v["measured_speedup_ci"] == pytest.approx([1.02, 1.16])
+    assert s["share_realised_ci"] == pytest.approx([0.2, 1.6])
+    assert v["ci_coverage"] == pytest.approx(1 - 2 * stats.binom.cdf(1, 10, 0.5))

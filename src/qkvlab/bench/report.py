@@ -5,6 +5,9 @@ what a machine that runs every FLOP at the same rate would deliver. Measured = t
 repeats of the PAIRED ratio tokens/s(scheme) / tokens/s(reference), pairing the two runs that
 sat next to each other in the interleaved order, so slow drift of a shared machine cancels.
 Share realised = (measured - 1) / (ideal - 1): 1 means the FLOPs saved turned fully into speed.
+Both come with a distribution-free 95% confidence interval for the median paired ratio (the
+sign test's order statistics, timing.median_interval): on a shared CPU one pair's ratio scatters
+by several percent, as much as the effect itself, so the share is only settled by many repeats.
 """
 
 from __future__ import annotations
@@ -14,7 +17,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from qkvlab.bench.timing import Spread
+from qkvlab.bench.timing import Spread, median_interval
+
+
+def share_of(speedup: float, ideal: float) -> float | None:
+    """(speedup - 1) / (ideal - 1); None when the ideal is within 0.5% of 1, where this ratio of
+    small differences means nothing (q-identity-wide, nonlinear-q: the baseline's matmul FLOPs)."""
+    return (speedup - 1) / (ideal - 1) if abs(ideal - 1) > 0.005 else None
 
 
 def summarise(results: dict[str, Any]) -> dict[str, Any]:
@@ -30,17 +39,21 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             continue
         tps = schemes[name]["train"]["tokens_per_s"]
         ideal = ref_fpt / schemes[name]["flops_per_token"]
-        paired = Spread.of([a / b for a, b in zip(tps["values"], ref_tps["values"], strict=True)])
-        # the share is a ratio of small differences: meaningless when the ideal is ~1
-        # (q-identity-wide, nonlinear-q have the baseline's matmul FLOPs, give or take gains)
-        share = (paired.median - 1) / (ideal - 1) if abs(ideal - 1) > 0.005 else None
+        ratios = [a / b for a, b in zip(tps["values"], ref_tps["values"], strict=True)]
+        paired = Spread.of(ratios)
+        ci = median_interval(ratios) if len(ratios) > 1 else None
+
         versus[name] = {
             "ideal_speedup": ideal,
             "measured_speedup": paired.median,
             "measured_speedup_min": paired.low,
             "measured_speedup_max": paired.high,
+            "measured_speedup_ci": [ci.low, ci.high] if ci else None,
+            "ci_coverage": ci.coverage if ci else None,
             "ratio_of_medians": tps["median"] / ref_tps["median"],
-            "share_realised": share,
+            "share_realised": share_of(paired.median, ideal),
+            "share_realised_ci": [share_of(ci.low, ideal), share_of(ci.high, ideal)]
+            if ci and share_of(1, ideal) is not None else None,
         }
     head = versus.get("q-identity") if ref == "baseline" else None
     summary: dict[str, Any] = {
@@ -50,6 +63,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "ideal_speedup": head["ideal_speedup"] if head else None,
         "measured_speedup": head["measured_speedup"] if head else None,
         "share_realised": head["share_realised"] if head else None,
+        "share_realised_ci": head["share_realised_ci"] if head else None,
         "baseline_mfu": schemes["baseline"]["train"]["mfu"] if "baseline" in schemes else None,
         "peak_flops": results["peak"]["flops"],
         "peak_source": results["peak"]["source"],
@@ -128,14 +142,19 @@ def print_report(results: dict[str, Any], console: Console) -> None:
         _print_inference(results, console)
 
     t = Table(title=f"Speed-up over {summary['reference']} (training tokens/s)")
-    for col in ("scheme", "ideal (FLOPs)", "measured", "range", "ratio of medians",
-                "share realised"):
+    levels = {v["ci_coverage"] for v in summary["versus_reference"].values()} - {None}
+    ci_col = f"{100 * min(levels):.0f}% CI" if levels else "CI"
+    for col in ("scheme", "ideal (FLOPs)", "measured", ci_col, "range", "ratio of medians",
+                "share realised", f"share {ci_col}"):
         t.add_column(col, justify="left" if col == "scheme" else "right")
     for name, v in summary["versus_reference"].items():
         share = "n/a" if v["share_realised"] is None else f"{100 * v['share_realised']:.0f}%"
+        ci, share_ci = v.get("measured_speedup_ci"), v.get("share_realised_ci")
         t.add_row(name, f"{v['ideal_speedup']:.3f}", f"{v['measured_speedup']:.3f}",
+                  f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "n/a",
                   f"{v['measured_speedup_min']:.3f}-{v['measured_speedup_max']:.3f}",
-                  f"{v['ratio_of_medians']:.3f}", share)
+                  f"{v['ratio_of_medians']:.3f}", share,
+                  f"{100 * share_ci[0]:.0f}% to {100 * share_ci[1]:.0f}%" if share_ci else "n/a")
     if summary["versus_reference"]:
         console.print(t)
     if summary["baseline_mfu"] is not None:

@@ -4,7 +4,8 @@ Method, in the order it runs:
   1. peak matmul FLOP/s for the dtype (the MFU denominator, see peak.py);
   2. training: every scheme's model, optimizer and batch are built up front (peak memory is
      recorded here) and warmed up, then the timed repeats INTERLEAVE the schemes
-     (A B A B ...), so a slow minute on a shared machine hits all schemes alike; medians;
+     (A B, B A, A B, ...: the order flips every repeat, so a steady drift favours no
+     scheme), so a slow minute on a shared machine hits all schemes alike; medians;
   3. inference (unless --no-inference): prefill and decode with and without the KV cache at
      several context lengths, interleaved the same way; then model.generate end to end;
   4. the summary: ideal speed-up from FLOPs per token, measured speed-up from tokens/s, and the
@@ -261,8 +262,11 @@ def bench_training(s: Settings, configs: dict[str, ModelConfig], peak: Peak,
 
     step_s: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(s.repeats):
-        for name, bench in benches.items():  # interleaved: A B A B ...
-            step_s[name].append(bench.time_steps(s.steps))
+        # interleaved, the order reversed every other repeat (A B, B A, ...): the two runs of a
+        # pair share the minute's load, and neither scheme is always the one that goes second
+        order = list(benches) if r % 2 == 0 else list(benches)[::-1]
+        for name in order:
+            step_s[name].append(benches[name].time_steps(s.steps))
         console.print(f"[dim]train repeat {r + 1}/{s.repeats}: " + ", ".join(
             f"{n} {benches[n].tokens_per_step / step_s[n][-1]:,.0f} tok/s" for n in benches))
 

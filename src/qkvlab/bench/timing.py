@@ -7,6 +7,7 @@ honest once the device has finished (`synchronize`); on CPU that call is a no-op
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import statistics
 import sys
@@ -60,6 +61,35 @@ class Spread:
     def as_dict(self) -> dict[str, object]:
         return {"median": self.median, "min": self.low, "max": self.high,
                 "values": list(self.values)}
+
+
+@dataclass(frozen=True)
+class MedianInterval:
+    """A distribution-free confidence interval for a median: the order statistics
+    x_(k) <= median <= x_(n+1-k), whose coverage follows from Binomial(n, 1/2) alone (the sign
+    test), so it holds for any noise distribution with independent pairs."""
+
+    low: float
+    high: float
+    coverage: float  # the exact coverage of [low, high]: the nominal level or, for n < 6, less
+
+
+def median_interval(values: list[float] | tuple[float, ...], level: float = 0.95
+                    ) -> MedianInterval:
+    """The narrowest order-statistic interval whose coverage is at least `level`; with too few
+    values for that (n < 6 at 95%) the widest one there is, [min, max], with its lower coverage.
+    """
+    xs, n = sorted(values), len(values)
+    if n < 2:
+        raise ValueError("a confidence interval needs at least two values")
+
+    def coverage(k: int) -> float:  # P(x_(k) <= median <= x_(n+1-k)) = 1 - 2 P(B < k)
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= n // 2 and coverage(k + 1) >= level:
+        k += 1
+    return MedianInterval(xs[k - 1], xs[n - k], coverage(k))
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
