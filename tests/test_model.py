@@ -3,6 +3,7 @@ parameter accounting, config validation."""
 
 import dataclasses
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT, PROJECTIONS, ModelConfig
 from qkvlab.model.generate import generate, sample_next
-from qkvlab.model.gpt import Attention, eager_attention
+from qkvlab.model.gpt import Attention, causal_block_rows, eager_attention
 from qkvlab.model.params import count_params, flops_per_token
 
 PAPER = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
@@ -319,6 +320,27 @@ def test_eager_attention_equals_sdpa(mask, n_kv_head):
     torch.testing.assert_close(eager_attention(q, k, v, **kw),
                                F.scaled_dot_product_attention(q, k, v, **kw),
                                atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize(("n_q", "n_k", "block"), [(7, 7, 3), (7, 7, 1), (4, 9, 2), (9, 4, 4)])
+def test_blocked_causal_eager_attention_equals_sdpa(n_q, n_k, block):
+    """The causal path skips the masked blocks right of the diagonal: the output and every
+    gradient still equal SDPA's (float64), for ragged last blocks and for more keys than
+    queries or more queries than keys (SDPA's top-left triangle)."""
+    torch.manual_seed(8)
+    q = torch.randn(2, 3, n_q, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 3, n_k, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(2, 3, n_q, 8, dtype=torch.float64)  # a loss that weighs every output
+    grads = []
+    for attend in (partial(eager_attention, causal_block=block), F.scaled_dot_product_attention):
+        y = attend(q, k, v, is_causal=True, scale=0.4)
+        grads.append((y, *torch.autograd.grad((y * w).sum(), (q, k, v))))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_causal_block_rows():
+    assert [causal_block_rows(t) for t in (32, 256, 512, 1024, 1025)] == [256, 256, 256, 256, 257]
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the models, training and inference (default: on for CUDA, "
                         "off for CPU)")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, keep freed memory in glibc's heap as `qkvlab train` does, so "
+                        "steps do not page-fault (--no-keep-freed-memory: glibc's defaults)")
     p.add_argument("--no-inference", action="store_true", help="skip prefill/decode timings")
     p.add_argument("--infer-batch-size", type=int, default=1, help="sequences decoded at once")
     p.add_argument("--contexts", default=None,

@@ -37,7 +37,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.variants import derive
 from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
-from qkvlab.train.perf import mfu
+from qkvlab.train.perf import freed_memory_kept, keep_freed_memory, mfu
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class Settings:
     peak_flops: float | None
     peak_sizes: tuple[int, ...] | None
     overrides: dict[str, Any] = field(default_factory=dict)
+    keep_freed_memory: bool = True  # CPU: perf.keep_freed_memory, as in training
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,7 +204,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         infer_batch_size=args.infer_batch_size, contexts=contexts,
         decode_tokens=decode_tokens, gen_tokens=gen_tokens, gen_repeats=args.gen_repeats,
         peak_flops=peak * 1e12 if peak else None, peak_sizes=shape.peak_sizes,
-        overrides=overrides,
+        overrides=overrides, keep_freed_memory=getattr(args, "keep_freed_memory", True),
     )
 
 
@@ -378,6 +379,8 @@ def bench_inference(s: Settings, configs: dict[str, ModelConfig],
 def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
     """Run every section and return the results as plain data (what --json writes)."""
     console = console or Console()
+    if s.device.type == "cpu" and s.keep_freed_memory:
+        keep_freed_memory()  # before anything is allocated
     configs = {name: scheme_config(s.model, name) for name in s.schemes}
     console.print(f"[dim]peak: {'given' if s.peak_flops else 'measuring'} {s.dtype_name} "
                   f"matmul FLOP/s on {s.device}")
@@ -395,7 +398,10 @@ def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
         for name, data in bench_inference(s, configs, console).items():
             results["schemes"][name]["inference"] = data
     results["summary"] = report.summarise(results)
-    results["machine"] = machine_info(s) | {"process_max_rss_bytes": max_rss_bytes()}
+    results["machine"] = machine_info(s) | {"process_max_rss_bytes": max_rss_bytes(),
+                                            # a process cannot take it back: so this records
+                                            # the fact, not the flag
+                                            "malloc_keeps_freed_memory": freed_memory_kept()}
     return results
 
 

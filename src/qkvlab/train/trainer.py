@@ -32,7 +32,7 @@ from qkvlab.train import checkpoint as ck
 from qkvlab.train import distributed, guard, objectives
 from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig, save_config
 from qkvlab.train.optim import build_optimizer, lr_at, set_lr
-from qkvlab.train.perf import mfu, peak_flops_for
+from qkvlab.train.perf import keep_freed_memory, mfu, peak_flops_for
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -466,6 +466,8 @@ def _train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     tc = cfg.train
     device = ctx.device  # cuda:LOCAL_RANK under torchrun
     check_dtype(device, tc.dtype)
+    if device.type == "cpu":
+        keep_freed_memory()  # no page faults for each step's activations
     plan = distributed.plan_batches(tc.batch_size, tc.grad_accum, ctx.world_size, ctx.rank)
     data = open_data(cfg.data, say)
     check_vocab(cfg, data)
