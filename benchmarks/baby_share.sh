@@ -24,31 +24,4 @@ for i in $(seq 1 "$RUNS"); do
             --json "$OUT/$impl-$i.json" > /dev/null
     done
 done
-python - "$OUT" <<'PY'
-import json, statistics, sys
-from pathlib import Path
-
-from qkvlab.bench.report import share_of
-from qkvlab.bench.timing import median_interval
-
-out = Path(sys.argv[1])
-print(f"{'attn_impl':<9} {'runs':>4} {'pairs':>5} {'base step':>9} {'median per run':>28} "
-      f"{'pooled':>7} {'95% CI':>13} {'share':>6} {'share 95% CI':>13} {'MFU':>6}")
-for impl in ("sdpa", "eager"):
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{impl}-*.json"))]
-    if not runs:
-        continue
-    ideal = runs[0]["summary"]["ideal_speedup"]
-    per_run = [r["summary"]["measured_speedup"] for r in runs]
-    pairs = [q / b for r in runs for q, b in zip(
-        r["schemes"]["q-identity"]["train"]["tokens_per_s"]["values"],
-        r["schemes"]["baseline"]["train"]["tokens_per_s"]["values"], strict=True)]
-    pooled, ci = statistics.median(pairs), median_interval(pairs)
-    step = statistics.median(r["schemes"]["baseline"]["train"]["step_s"]["median"] for r in runs)
-    mfu = statistics.median(r["summary"]["baseline_mfu"] for r in runs)
-    print(f"{impl:<9} {len(runs):>4} {len(pairs):>5} {step * 1e3:>6.0f} ms "
-          f"{' '.join(f'{u:.3f}' for u in per_run):>28} {pooled:>7.3f} "
-          f"{ci.low:>6.3f}-{ci.high:.3f} {share_of(pooled, ideal):>6.0%} "
-          f"{share_of(ci.low, ideal):>5.0%}-{share_of(ci.high, ideal):.0%} {mfu:>6.1%}")
-print(f"ideal (FLOPs ratio): {ideal:.3f}")
-PY
+python benchmarks/share_summary.py "$OUT" | tee "$OUT/summary.txt"
