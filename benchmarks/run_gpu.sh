@@ -29,8 +29,8 @@ run() {  # run NAME ARGS...: table to NAME.txt (and the terminal), numbers to NA
 
 # The paper's models (12x768, ctx 1024, vocab 50304), compiled, training only: the MFU and
 # share-of-ideal targets (>= 45%, >= 80%).
-run paper-cuda --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 5 \
-    --steps 10 --no-inference
+run paper-cuda --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 12 \
+    --steps 10 --no-inference  # 12 pairs: enough for a 95% interval on the share
 # Inference at the paper shape: prefill / decode with the cache at 128, 512, 1024.
 run paper-cuda-infer --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 1 \
     --steps 1 --gen-tokens 256

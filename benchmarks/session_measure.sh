@@ -27,7 +27,15 @@ run bench-baby-bf16-eager qkvlab bench --shape baby \
     --schemes baseline,q-identity,q-identity-wide,nonlinear-q --repeats 5 --steps 3 \
     --set model.attn_impl=eager --json "$R/bench-baby-bf16-eager.json"
 rm -rf "$R/bench-baby-share"; mkdir -p "$R/bench-baby-share"
-OUT="$R/bench-baby-share" RUNS=4 benchmarks/baby_share.sh | tee "$R/bench-baby-share/summary.txt"
+OUT="$R/bench-baby-share" benchmarks/baby_share.sh  # writes its summary.txt
+run bench-baby-train-eager-compile qkvlab bench --shape baby --schemes baseline,q-identity \
+    --no-inference --repeats 20 --steps 2 --compile --set model.attn_impl=eager \
+    --json "$R/bench-baby-train-eager-compile.json"
+for impl in sdpa eager; do
+    run "bench-paper-train-$impl" qkvlab bench --shape paper --schemes baseline,q-identity \
+        --no-inference --repeats 8 --steps 1 --set "model.attn_impl=$impl" \
+        --json "$R/bench-paper-train-$impl.json"
+done
 run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 5 \
     --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
 log done
