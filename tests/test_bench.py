@@ -3,6 +3,7 @@ arithmetic, the peak table and compile-friendliness. Nothing here asserts on a t
 
 import json
 import math
+import sys
 
 import pytest
 import torch
@@ -36,6 +37,9 @@ def test_end_to_end_all_schemes(tmp_path):
     for key in ("torch", "device", "device_name", "cpu_count", "dtype", "compile"):
         assert key in data["machine"]
     assert data["machine"]["compile"] is False  # off by default on CPU
+    # CPU on glibc: freed memory stays in the heap, as in `qkvlab train` (test_perf_memory.py)
+    assert data["machine"]["malloc_keeps_freed_memory"] is sys.platform.startswith("linux")
+    assert data["settings"]["keep_freed_memory"] is True
     assert data["peak"] == {"flops": 1e12, "source": "given",
                             "measured": data["peak"]["measured"], "spec": None}
     assert data["peak"]["measured"] > 0
@@ -264,3 +268,10 @@ def test_summary_share_interval():
     assert v["measured_speedup_ci"] == pytest.approx([1.02, 1.16])
     assert s["share_realised_ci"] == pytest.approx([0.2, 1.6])
     assert v["ci_coverage"] == pytest.approx(1 - 2 * stats.binom.cdf(1, 10, 0.5))
+
+
+def test_glibc_defaults_on_request(tmp_path):
+    # recorded as asked; the machine entry records the fact (a process cannot take it back)
+    data = run_json(tmp_path, "--no-keep-freed-memory", "--no-inference")
+    assert data["settings"]["keep_freed_memory"] is False
+    assert isinstance(data["machine"]["malloc_keeps_freed_memory"], bool)
