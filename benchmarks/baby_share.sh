@@ -7,6 +7,7 @@
 #
 #   OUT=runs/bench/baby-share benchmarks/baby_share.sh       # ~9 minutes on 2 cores
 #   OUT=... RUNS=4 REPEATS=5 STEPS=3 benchmarks/baby_share.sh  # the session-3 protocol
+#   OUT=runs/bench/baby-share-compile IMPLS=eager EXTRA=--compile benchmarks/baby_share.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
@@ -14,13 +15,16 @@ OUT=${OUT:-runs/bench/baby-share}
 RUNS=${RUNS:-3}
 REPEATS=${REPEATS:-40}
 STEPS=${STEPS:-2}
+IMPLS=${IMPLS:-sdpa eager}  # model.attn_impl values, alternated
+EXTRA=${EXTRA:-}  # more `qkvlab bench` arguments, e.g. --compile
 mkdir -p "$OUT"
 for i in $(seq 1 "$RUNS"); do
-    for impl in sdpa eager; do
+    for impl in $IMPLS; do
         echo "== run $i: qkvlab bench --shape baby --schemes baseline,q-identity --no-inference" \
-             "--repeats $REPEATS --steps $STEPS --set model.attn_impl=$impl"
+             "--repeats $REPEATS --steps $STEPS --set model.attn_impl=$impl $EXTRA"
+        # shellcheck disable=SC2086  # EXTRA holds several words on purpose
         qkvlab bench --shape baby --schemes baseline,q-identity --no-inference \
-            --repeats "$REPEATS" --steps "$STEPS" --set "model.attn_impl=$impl" \
+            --repeats "$REPEATS" --steps "$STEPS" --set "model.attn_impl=$impl" $EXTRA \
             --json "$OUT/$impl-$i.json" > /dev/null
     done
 done

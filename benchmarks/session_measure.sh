@@ -28,9 +28,11 @@ run bench-baby-bf16-eager qkvlab bench --shape baby \
     --set model.attn_impl=eager --json "$R/bench-baby-bf16-eager.json"
 rm -rf "$R/bench-baby-share"; mkdir -p "$R/bench-baby-share"
 OUT="$R/bench-baby-share" benchmarks/baby_share.sh  # writes its summary.txt
-run bench-baby-train-eager-compile qkvlab bench --shape baby --schemes baseline,q-identity \
-    --no-inference --repeats 20 --steps 2 --compile --set model.attn_impl=eager \
-    --json "$R/bench-baby-train-eager-compile.json"
+rm -rf "$R/bench-baby-share-compile"; mkdir -p "$R/bench-baby-share-compile"
+OUT="$R/bench-baby-share-compile" IMPLS=eager EXTRA=--compile benchmarks/baby_share.sh
+run bench-baby-train-eager-b64 qkvlab bench --shape baby --batch-size 64 \
+    --schemes baseline,q-identity --no-inference --repeats 16 --steps 1 \
+    --set model.attn_impl=eager --json "$R/bench-baby-train-eager-b64.json"
 for impl in sdpa eager; do
     run "bench-paper-train-$impl" qkvlab bench --shape paper --schemes baseline,q-identity \
         --no-inference --repeats 8 --steps 1 --set "model.attn_impl=$impl" \
