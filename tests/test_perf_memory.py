@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-# A step-like pattern: several 16 MiB activations alive at once, then all freed, 10 times over;
-# print the page faults it took. With glibc's defaults the freed top of the heap goes back to
-# the kernel each time and is faulted in again (~4,000 faults per block).
+# A step-like pattern: six 16 MiB activations and a 64 MiB one alive at once, then all freed, 10
+# times over; print the page faults it took. With glibc's defaults the blocks go back to the
+# kernel and are faulted in again every time (~4,000 faults per 16 MiB).
 PROBE = """
 import resource, sys, torch
 from qkvlab.train.perf import freed_memory_kept, keep_freed_memory
@@ -15,10 +15,10 @@ if sys.argv[1] == "keep":
     assert keep_freed_memory() and freed_memory_kept()
 
 def step():
-    acts = [torch.ones(4 << 20) for _ in range(6)]
+    acts = [torch.ones(4 << 20) for _ in range(6)] + [torch.ones(16 << 20)]  # and one 64 MiB
     del acts
 
-for _ in range(3):  # the first steps fault either way, while the heap grows to fit
+for _ in range(5):  # the first steps fault either way, while the heap grows to fit
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
