@@ -42,7 +42,6 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         ratios = [a / b for a, b in zip(tps["values"], ref_tps["values"], strict=True)]
         paired = Spread.of(ratios)
         ci = median_interval(ratios) if len(ratios) > 1 else None
-
         versus[name] = {
             "ideal_speedup": ideal,
             "measured_speedup": paired.median,

@@ -64,7 +64,7 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):  # musl or another libc: leave it alone
         return False
     _freed_memory_kept = bool(mallopt(_M_MMAP_MAX, 0)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        bool(mallopt(_M_TRIM_THRESHOLD, -1))  # -1: never trim (man mallopt)
     return _freed_memory_kept
 
 
