@@ -114,8 +114,9 @@ def test_bad_arguments_are_user_errors(extra, capsys):
 
 
 def test_repeats_interleave_schemes(monkeypatch, tmp_path):
-    """A B, B A, A B: every repeat visits each scheme once, the order flipping each time, and
-    equal times give a measured speed-up of exactly 1 (so a share realised of exactly 0)."""
+    """A B, B A, A B after one untimed round: every repeat visits each scheme once, the order
+    flipping each time, and equal times give a measured speed-up of exactly 1 (so a share
+    realised of exactly 0)."""
     order: list[str] = []
 
     def fake_time_steps(self, steps):
@@ -124,7 +125,8 @@ def test_repeats_interleave_schemes(monkeypatch, tmp_path):
 
     monkeypatch.setattr(TrainBench, "time_steps", fake_time_steps)
     data = run_json(tmp_path, "--repeats", "3", "--no-inference")
-    assert order == ["baseline", "q-identity", "q-identity", "baseline", "baseline", "q-identity"]
+    assert order == ["baseline", "q-identity",  # the untimed round
+                     "baseline", "q-identity", "q-identity", "baseline", "baseline", "q-identity"]
     s = data["summary"]
     assert s["measured_speedup"] == 1.0 and s["share_realised"] == 0.0
     assert s["share_realised_ci"] == [0.0, 0.0]
