@@ -35,9 +35,10 @@ run bench-baby-train-eager-b64 qkvlab bench --shape baby --batch-size 64 \
     --set model.attn_impl=eager --json "$R/bench-baby-train-eager-b64.json"
 for impl in sdpa eager; do
     run "bench-paper-train-$impl" qkvlab bench --shape paper --schemes baseline,q-identity \
-        --no-inference --repeats 8 --steps 1 --set "model.attn_impl=$impl" \
+        --no-inference --repeats 16 --steps 1 --set "model.attn_impl=$impl" \
         --json "$R/bench-paper-train-$impl.json"
 done
+run causal-blocks-paper python benchmarks/causal_blocks.py --shape paper --batch-size 1 --pairs 8
 run bench-paper-bf16 qkvlab bench --shape paper --schemes baseline,q-identity --repeats 5 \
     --steps 1 --gen-tokens 512 --json "$R/bench-paper-bf16.json"
 log done
