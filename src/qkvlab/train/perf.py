@@ -63,8 +63,9 @@ def keep_freed_memory() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError):  # musl or another libc: leave it alone
         return False
-    _freed_memory_kept = bool(mallopt(_M_MMAP_MAX, 0)) and \
-        bool(mallopt(_M_TRIM_THRESHOLD, -1))  # -1: never trim (man mallopt)
+    # no mmap, and never trim (-1, man mallopt): a finite threshold is an int, below the
+    # 2 GiB+ that a paper-shape step frees at the top of the heap
+    _freed_memory_kept = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, -1))
     return _freed_memory_kept
 
 
