@@ -18,7 +18,7 @@ def step():
     acts = [torch.ones(4 << 20) for _ in range(6)] + [torch.ones(16 << 20)]  # and one 64 MiB
     del acts
 
-for _ in range(5):  # the first steps fault either way, while the heap grows to fit
+for _ in range(10):  # the first steps fault either way, while the heap settles (3-6 steps)
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
