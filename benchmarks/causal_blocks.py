@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 
 from qkvlab.bench.run import SHAPES
-from qkvlab.bench.timing import median_interval
+from qkvlab.bench.timing import interleaved, median_interval
 from qkvlab.bench.workloads import TrainBench
 from qkvlab.model import ModelConfig, gpt
 from qkvlab.train.perf import keep_freed_memory
@@ -36,7 +36,7 @@ def main() -> None:
     for _ in range(2):
         bench.step()  # warm-up
     for r in range(args.pairs):
-        for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
+        for name in interleaved(list(modes), r):
             gpt.causal_block_rows = modes[name]
             bench.step()  # a first step at this block size, untimed
             times[name].append(bench.time_steps(1))

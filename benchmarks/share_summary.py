@@ -13,15 +13,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from qkvlab.bench.report import share_of
+from qkvlab.bench.report import paired_ratios, share_of
 from qkvlab.bench.timing import median_interval
-
-
-def paired_ratios(run: dict) -> list[float]:
-    """tokens/s of W_Q = I over the baseline's, repeat by repeat (the pairs of one run)."""
-    train = {name: run["schemes"][name]["train"]["tokens_per_s"]["values"]
-             for name in ("baseline", "q-identity")}
-    return [q / b for q, b in zip(train["q-identity"], train["baseline"], strict=True)]
 
 
 def main(folder: Path) -> None:
@@ -33,7 +26,7 @@ def main(folder: Path) -> None:
         if not runs:
             continue
         ideal = runs[0]["summary"]["ideal_speedup"]
-        pairs = [r for run in runs for r in paired_ratios(run)]
+        pairs = [r for run in runs for r in paired_ratios(run, "q-identity", "baseline")]
         pooled, ci = statistics.median(pairs), median_interval(pairs)
         step = statistics.median(run["schemes"]["baseline"]["train"]["step_s"]["median"]
                                  for run in runs)

@@ -26,6 +26,14 @@ def share_of(speedup: float, ideal: float) -> float | None:
     return (speedup - 1) / (ideal - 1) if abs(ideal - 1) > 0.005 else None
 
 
+def paired_ratios(results: dict[str, Any], name: str, ref: str) -> list[float]:
+    """tokens/s of scheme `name` over `ref`'s, repeat by repeat: the two runs of a repeat sat
+    next to each other in the interleaved order, so the machine's drift cancels in the ratio."""
+    schemes = results["schemes"]
+    return [a / b for a, b in zip(schemes[name]["train"]["tokens_per_s"]["values"],
+                                  schemes[ref]["train"]["tokens_per_s"]["values"], strict=True)]
+
+
 def summarise(results: dict[str, Any]) -> dict[str, Any]:
     """Speed-ups against the baseline (or the first scheme when baseline was not run)."""
     schemes = results["schemes"]
@@ -39,7 +47,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             continue
         tps = schemes[name]["train"]["tokens_per_s"]
         ideal = ref_fpt / schemes[name]["flops_per_token"]
-        ratios = [a / b for a, b in zip(tps["values"], ref_tps["values"], strict=True)]
+        ratios = paired_ratios(results, name, ref)
         paired = Spread.of(ratios)
         ci = median_interval(ratios) if len(ratios) > 1 else None
         versus[name] = {

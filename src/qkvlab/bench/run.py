@@ -30,7 +30,7 @@ from rich.console import Console
 
 from qkvlab.bench import report
 from qkvlab.bench.peak import Peak, resolve_peak
-from qkvlab.bench.timing import Spread, max_rss_bytes, peak_memory
+from qkvlab.bench.timing import Spread, interleaved, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
 from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
@@ -268,10 +268,7 @@ def bench_training(s: Settings, configs: dict[str, ModelConfig], peak: Peak,
         bench.time_steps(1)
     step_s: dict[str, list[float]] = {name: [] for name in configs}
     for r in range(s.repeats):
-        # interleaved, the order reversed every other repeat (A B, B A, ...): the two runs of a
-        # pair share the minute's load, and neither scheme is always the one that goes second
-        order = list(benches) if r % 2 == 0 else list(benches)[::-1]
-        for name in order:
+        for name in interleaved(list(benches), r):
             step_s[name].append(benches[name].time_steps(s.steps))
         console.print(f"[dim]train repeat {r + 1}/{s.repeats}: " + ", ".join(
             f"{n} {benches[n].tokens_per_step / step_s[n][-1]:,.0f} tok/s" for n in benches))

@@ -38,6 +38,12 @@ def time_it(fn: Callable[[], object], device: torch.device, iters: int = 1) -> f
     return (time.perf_counter() - start) / iters
 
 
+def interleaved(names: list[str], repeat: int) -> list[str]:
+    """The order of one repeat: as given on even repeats, reversed on odd ones (A B, B A, ...),
+    so the runs of a pair share the minute's load and no one always goes second."""
+    return list(names) if repeat % 2 == 0 else list(names)[::-1]
+
+
 @dataclass(frozen=True)
 class Spread:
     """Median and range of repeated measurements; the median resists one-off hiccups."""
