@@ -458,3 +458,24 @@ rule = "q-identity"
     assert main(["sweep", str(bad), "--out", str(tmp_path / "bad")]) == 2
     assert "mlm needs a bidirectional encoder" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def test_jobs_trains_runs_in_parallel_with_the_same_results(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "a", data_dir)
+    serial, parallel = tmp_path / "serial", tmp_path / "parallel"
+    assert main(["sweep", str(spec), "--out", str(serial), "--only", "baseline"]) == 0
+    assert main(["sweep", str(spec), "--out", str(parallel), "--only", "baseline",
+                 "--jobs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("started baseline") == 2 and out.count("finished baseline") == 2
+    for seed in (1, 2):
+        run = parallel / "baseline" / f"seed-{seed}"
+        assert "done at step 8" in (run / "train.log").read_text()
+        # fp32 on one thread against the test's one thread: the same trajectory
+        assert final_losses(run) == pytest.approx(final_losses(serial / "baseline" /
+                                                                f"seed-{seed}"), rel=1e-5)
+    record = json.loads((parallel / "sweep.json").read_text())
+    assert "--jobs 2" in record["sessions"][-1]["command"]
+    assert main(["sweep", str(spec), "--out", str(parallel), "--jobs", "0"]) == 2
+    assert main(["sweep", str(spec), "--out", str(parallel), "--jobs", "2", "--launcher",
+                 "python"]) == 2

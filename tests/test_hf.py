@@ -40,6 +40,10 @@ def random_gpt(cfg: ModelConfig, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     model = GPT(cfg)
     randomize_(model, seed)
+    with torch.no_grad():  # learned per-head logit gains, if any, away from their init of 1
+        for block in model.blocks:
+            if block.attn.logit_gain is not None:
+                block.attn.logit_gain.copy_(torch.linspace(0.5, 2.0, cfg.n_head))
     return model.float().eval()
 
 
@@ -94,6 +98,9 @@ EXPORTABLE = {
     "gqa-relu": dict(n_kv_head=2, activation="relu"),
     "shared-no-positions-gelu-tanh": dict(share_layers=True, positions="none",
                                           activation="gelu_tanh"),
+    "q-identity-learned": dict(projection="q-identity", attn_scale="learned"),
+    "k-identity-learned": dict(projection="k-identity", attn_scale="learned"),
+    "baseline-learned-gqa": dict(attn_scale="learned", n_kv_head=2),
 }
 
 

@@ -45,7 +45,7 @@ def test_paper_presets_match_section_5():
     assert (o.beta1, o.beta2, o.grad_clip, o.weight_decay) == (0.9, 0.95, 1.0, 0.1)
     assert base.tokens_per_step == 491_520 and base.train.dtype == "bf16"
     assert count_params(m).total == 124_373_760
-    assert red.model.projection == "q-identity" and red.model.attn_scale is None
+    assert red.model.projection == "q-identity" and red.model.attn_scale == "paper"
     assert red.model.scale == pytest.approx(0.0625)
     assert red.optim.weight_decay == 0.03125
     assert count_params(red.model).total == 117_295_872

@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reuse", action="append", default=None, metavar="SWEEP_DIR",
                    help="copy finished runs with the same config and seed from this other "
                         "sweep folder instead of training them (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="train N runs at once, the cores split between them (default 1)")
     _overrides(p)
     p.set_defaults(handler="qkvlab.experiments.sweep:sweep_command")
 

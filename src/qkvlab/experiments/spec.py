@@ -295,8 +295,12 @@ def config_identity(cfg: RunConfig) -> dict[str, Any]:
     from qkvlab.train.trainer import RESUME_HARMLESS
 
     skip = RESUME_HARMLESS | _PER_RUN_KEYS
-    return {section: {k: v for k, v in table.items() if f"{section}.{k}" not in skip}
-            for section, table in cfg.to_dict().items() if section != "run"}
+    identity = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in skip}
+                for section, table in cfg.to_dict().items() if section != "run"}
+    if identity["model"].get("attn_scale") == "paper":
+        # recorded as null before attn_scale took rule names: keeps older sweeps' fingerprints
+        identity["model"]["attn_scale"] = None
+    return identity
 
 
 def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

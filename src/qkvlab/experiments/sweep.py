@@ -19,7 +19,10 @@ folder layout::
 Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run as a subprocess
 `LAUNCHER -m qkvlab train RUN_DIR --resume` (still one run after another), and
 `--print-commands` prints one such self-contained command per pending run for a scheduler
-(a SLURM array, GNU parallel) instead of running anything.
+(a SLURM array, GNU parallel) instead of running anything. `--jobs N` trains N runs at once
+as subprocesses, the machine's cores split between them (each run's output in its folder's
+train.log): on 2 CPU cores two single-threaded runs train 11% more tokens per second than one
+two-threaded run (docs/experiments.md).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import json
 import os
 import platform
 import shlex
+import signal
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +62,7 @@ FAILED_FILE = "failed.json"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.toml"
 REUSED_FILE = "reused.json"  # in a run copied from another sweep by --reuse: from where
+LOG_FILE = "train.log"  # a run's output under --jobs N > 1
 MAX_RUNS_WITHOUT_YES = 100  # more runs than this to launch needs --yes
 MAX_SESSIONS = 100  # sessions kept in sweep.json
 
@@ -156,6 +161,8 @@ def sweep_command_line(args: argparse.Namespace, out: Path) -> str:
         parts += ["--launcher", args.launcher]
     for src in getattr(args, "reuse", None) or []:
         parts += ["--reuse", src]
+    if (getattr(args, "jobs", None) or 1) > 1:
+        parts += ["--jobs", str(args.jobs)]
     return _join(parts)
 
 
@@ -481,6 +488,72 @@ def copy_finished_run(run: Run, src: Path) -> None:
         {"from": str(src.resolve()), "copied": now_iso()}, indent=1) + "\n")
 
 
+def run_parallel(todo: list[Run], jobs: int, console: Console) -> tuple[bool, list[Run]]:
+    """Train `todo` as subprocesses, `jobs` at a time, with the usable cores split between them.
+
+    Returns (stopped by a signal, the runs that failed). A Ctrl-C reaches every child (one
+    process group): each checkpoints and exits, and no further run is started.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = str(max(1, (cpus or 1) // jobs))
+    queue, running, failures, stopped = list(todo), {}, [], False
+
+    def on_term(signum, frame):  # forward SIGTERM: each child checkpoints and exits
+        for _, proc, _ in running.values():
+            proc.send_signal(signum)
+        raise KeyboardInterrupt
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
+    try:
+        stopped = _drive(queue, running, failures, jobs, threads, console)
+    except KeyboardInterrupt:  # Ctrl-C reached the children too: let them checkpoint
+        stopped = True
+        for _, proc, log in running.values():
+            proc.wait()
+            log.close()
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    return stopped, failures
+
+
+def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jobs: int,
+           threads: str, console: Console) -> bool:
+    """run_parallel's loop: start runs while slots are free, collect the ones that end."""
+    import sys
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+    stopped = False
+    while queue or running:
+        while queue and len(running) < jobs and not stopped:
+            run = queue.pop(0)
+            materialize(run)
+            (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
+            log = open(run.run_dir / LOG_FILE, "ab")  # noqa: SIM115 - closed when it ends
+            cmd = [sys.executable, "-m", "qkvlab", "train", str(run.run_dir.resolve()),
+                   "--resume"]
+            running[run.run_dir] = (run, subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
+            console.print(f"started {run.label} ({threads} thread(s)) -> {run.run_dir}")
+        time.sleep(1.0)
+        for key, (run, proc, log) in list(running.items()):
+            rc = proc.poll()
+            if rc is None:
+                continue
+            log.close()
+            del running[key]
+            if rc in (130, 143, -2, -15):  # a signal stopped it: stop the sweep too
+                stopped = True
+            elif rc != 0:
+                _record_failure(run, f"exited with status {rc}; see {run.run_dir / LOG_FILE}")
+                failures.append(run)
+                console.print(f"[red]{run.label} failed[/] (status {rc}): "
+                              f"{run.run_dir / LOG_FILE}")
+            else:
+                console.print(f"finished {run.label}")
+    return stopped
+
+
 def _record_failure(run: Run, error: str) -> None:
     from qkvlab.fsutil import write_text_atomic
 
@@ -493,6 +566,10 @@ def _record_failure(run: Run, error: str) -> None:
 def sweep_command(args: argparse.Namespace) -> int:
     if not args.spec:
         return list_specs()
+    jobs = getattr(args, "jobs", None)
+    jobs = 1 if jobs is None else jobs
+    if jobs < 1:
+        raise QkvlabError(f"--jobs {args.jobs}: give at least 1 run at a time")
     spec = load_spec(args.spec)
     out = Path(args.out) if args.out else spec.default_out
     overrides = list(getattr(args, "overrides", None) or [])
@@ -556,6 +633,12 @@ def sweep_command(args: argparse.Namespace) -> int:
 
     console.print(progress_table(spec, runs, states, f"sweep {spec.name} in {out}: before"))
     stopped, failures = False, []
+    if jobs > 1 and args.launcher:
+        raise QkvlabError("--jobs and --launcher do not go together: a launcher decides the "
+                          "processes itself; drop one of them")
+    if jobs > 1:
+        stopped, failures = run_parallel(todo, jobs, console)
+        todo = []
     for i, run in enumerate(todo):
         state = states[run.run_dir]
         resume = f", resuming at step {state.step}" if state.status == "partial" else ""

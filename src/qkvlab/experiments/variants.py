@@ -29,7 +29,7 @@ class Variant:
 
 def reduced(base: ModelConfig) -> ModelConfig:
     """W_Q = I with the scheme's default (halved) scale."""
-    return dataclasses.replace(base, projection="q-identity", attn_scale=None)
+    return dataclasses.replace(base, projection="q-identity", attn_scale="paper")
 
 
 def reallocated(base: ModelConfig) -> ModelConfig:
@@ -79,7 +79,7 @@ def narrower(base: ModelConfig) -> ModelConfig:
 
 def nonlinear_query(base: ModelConfig) -> ModelConfig:
     """PAPER.md section 6: Q(X) = (X + f(X)) / 2, keys and values linear, the usual scale."""
-    return dataclasses.replace(base, projection="nonlinear-q", attn_scale=None)
+    return dataclasses.replace(base, projection="nonlinear-q", attn_scale="paper")
 
 
 def derive(base: ModelConfig, rule: str) -> Variant:

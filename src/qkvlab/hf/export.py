@@ -223,6 +223,9 @@ def scheme_note(model: GPT) -> str:
         "k-identity": f"W_K = I written as {r:g} I in the key block",
         "v-identity": f"W_V = I written as I in the value block{ratio}",
     }[cfg.projection]
+    if cfg.learned_scale:
+        carrier = "key" if cfg.projection == "k-identity" else "query"
+        text += f"; the learned per-head logit gains folded into the {carrier} block"
     if cfg.kv_heads != cfg.n_head:
         text += f"; {cfg.kv_heads} key/value heads repeated to {cfg.n_head}"
     if cfg.share_layers:

@@ -82,6 +82,14 @@ def _repeat_heads(w: torch.Tensor, n_head: int, n_kv: int, d_head: int) -> torch
         .reshape(*lead, n_head * d_head)
 
 
+def _scale_ratio(r: float, gains: torch.Tensor | None, dk: int) -> float | torch.Tensor:
+    """The factor on the carrier block's columns: r, or r * gain_h on head h's d_k columns
+    (a learned per-head scale; a factor on head h's queries or keys is one on its logits)."""
+    if gains is None:
+        return r
+    return (r * gains.float()).repeat_interleave(dk).to(gains.dtype)
+
+
 def to_gpt2(model: GPT, *, eot_token: int | None = None,
             extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json dict, safetensors dict) of a GPT2LMHeadModel computing `model`'s logits.
@@ -124,9 +132,10 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
         # the scale ratio rides on the identity block of q/k-identity (so an import can read
         # the scale back off it), on the query block otherwise
         carrier = "k" if cfg.projection == "k-identity" else "q"
-        if r != 1.0:
-            blocks_w[carrier] = blocks_w[carrier] * r
-            blocks_b[carrier] = blocks_b[carrier] * r
+        ratio = _scale_ratio(r, sd.get(p + "attn.logit_gain"), dk)
+        if not isinstance(ratio, float) or ratio != 1.0:
+            blocks_w[carrier] = blocks_w[carrier] * ratio
+            blocks_b[carrier] = blocks_b[carrier] * ratio
         out[h + "attn.c_attn.weight"] = torch.cat([blocks_w[n] for n in "qkv"], dim=1)
         out[h + "attn.c_attn.bias"] = torch.cat([blocks_b[n] for n in "qkv"])
         out[h + "attn.c_proj.weight"] = sd[p + "attn.out_proj.weight"].T

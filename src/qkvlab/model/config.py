@@ -28,6 +28,11 @@ RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
 # call (forward + backward) takes ~12 ms where SDPA's flash kernel takes ~27-32, and a whole
 # baby-shape training step ~30% less (docs/results/bench-baby-bf16-eager.txt).
 ATTN_IMPLS: tuple[str, ...] = ("sdpa", "eager")
+# Rules for the attention logit scale (docs/theory.md, "The attention scale"): "standard"
+# 1/sqrt(d_k); "paper" halves it for q-/k-identity (the published recipe, calibrated at
+# d = 768); "matched" gives q-/k-identity the baseline's initial logit std at any width;
+# "learned" starts at "matched" and learns one gain per head. A number sets the scale itself.
+ATTN_SCALE_RULES: tuple[str, ...] = ("paper", "standard", "matched", "learned")
 
 
 @dataclass
@@ -54,7 +59,7 @@ class ModelConfig:
     share_layers: bool = False  # one block applied n_layer times (ALBERT-style)
     causal: bool = True  # False: bidirectional encoder
     projection: str = "baseline"
-    attn_scale: float | None = None  # None: the scheme's default (see default_attn_scale)
+    attn_scale: float | str = "paper"  # a number, or one of ATTN_SCALE_RULES
     attn_impl: str = "sdpa"  # "sdpa" | "eager", see ATTN_IMPLS
     init_std: float = 0.02
 
@@ -77,18 +82,41 @@ class ModelConfig:
         return int(round(self.mlp_ratio * self.n_embd))
 
     @property
+    def identity_qk(self) -> bool:
+        """True when the query or the key is the identity (the logits are then raw coordinate
+        products of the norm's output, not of a projection initialised at init_std)."""
+        return self.projection in ("q-identity", "k-identity")
+
+    @property
+    def scale_rule(self) -> str:
+        """The rule behind `scale`: one of ATTN_SCALE_RULES, or "number" for an explicit one."""
+        return self.attn_scale if isinstance(self.attn_scale, str) else "number"
+
+    @property
+    def learned_scale(self) -> bool:
+        """One learnable gain per head multiplies `scale` (initialised at 1)."""
+        return self.attn_scale == "learned"
+
+    @property
     def scale(self) -> float:
-        return self.attn_scale if self.attn_scale is not None else self.default_attn_scale
+        """The attention logit scale (for "learned": its initial value, before the gains)."""
+        rule = self.scale_rule
+        if rule == "number":
+            return float(self.attn_scale)
+        standard = 1.0 / math.sqrt(self.d_head)
+        if rule == "standard" or not self.identity_qk:
+            return standard
+        if rule == "paper":
+            return standard / 2
+        # matched / learned: a projected query coordinate starts with std init_std * sqrt(d)
+        # (unit-variance input, N(0, init_std^2) weights); an identity one with std 1
+        return standard * self.init_std * math.sqrt(self.n_embd)
 
     @property
     def default_attn_scale(self) -> float:
-        """1/sqrt(d_k) for the baseline; halved when Q or K is the identity (PAPER.md 5).
-
-        With an identity query (or key) the logits are raw coordinate products, larger than
-        with a learned projection initialised at std 0.02, so the paper halves the scale.
-        """
-        base = 1.0 / math.sqrt(self.d_head)
-        return base / 2 if self.projection in ("q-identity", "k-identity") else base
+        """The "paper" rule's scale: 1/sqrt(d_k), halved when Q or K is the identity."""
+        standard = 1.0 / math.sqrt(self.d_head)
+        return standard / 2 if self.identity_qk else standard
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
@@ -128,8 +156,18 @@ class ModelConfig:
         ):
             value = getattr(self, name)
             need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
-        need(self.attn_scale is None or float(self.attn_scale) > 0,
-             f"attn_scale must be > 0 or unset, got {self.attn_scale!r}")
+        if self.attn_scale is None:  # configs written before the rules: absent meant "paper"
+            self.attn_scale = "paper"
+        if isinstance(self.attn_scale, str):
+            need(self.attn_scale in ATTN_SCALE_RULES,
+                 f"attn_scale={self.attn_scale!r} is not a number or one of "
+                 f"{', '.join(ATTN_SCALE_RULES)}")
+        else:
+            need(isinstance(self.attn_scale, int | float) and not isinstance(self.attn_scale, bool)
+                 and math.isfinite(self.attn_scale) and self.attn_scale > 0,
+                 f"attn_scale must be a number > 0 or one of {', '.join(ATTN_SCALE_RULES)}, "
+                 f"got {self.attn_scale!r}")
+            self.attn_scale = float(self.attn_scale)
 
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd
         need(self.head_dim is not None or d % h == 0,

@@ -148,6 +148,8 @@ class Attention(nn.Module):
       q-identity    q = x (head h reads slice h of x: a view, no matmul, no copy); k, v fused
       k-identity    k = x; q, v fused            v-identity    v = x; q, k fused
       nonlinear-q   q = (x + f(x)) / 2; k, v fused
+    The logits are q k^T * cfg.scale; with attn_scale = "learned", head h's are further
+    multiplied by its own learnable gain (logit_gain[h], initialised at 1).
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -166,16 +168,13 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(q_dim, cfg.n_embd, bias=cfg.bias)
         self.query_map = NonlinearQuery(cfg.n_embd, cfg.bias) if cfg.projection == "nonlinear-q" \
             else None
+        self.logit_gain = nn.Parameter(torch.ones(self.n_head)) if cfg.learned_scale else None
         self.dropout = cfg.dropout
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-        cache: KVCache | None = None,
-        layer: int = 0,
-        start_pos: int = 0,
-    ) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+              start_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, dk), k and v (B, Hkv, T, dk) for the normed input x (B, T, d): the
+        logits are q k^T * self.scale (any learned per-head gain is already in q)."""
         B, T, _ = x.shape
         x_norm = x  # fp32 under autocast: the nonlinear query's own norms want it that way
         if torch.is_autocast_enabled(x.device.type):
@@ -198,10 +197,24 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, dk), a view
         k = k.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)
         v = v.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)
+        if self.logit_gain is not None:  # a per-head factor on q is one on that head's logits
+            q = q * self.logit_gain.to(q.dtype).view(1, -1, 1, 1)
         if rope is not None:
             cos, sin = rope[0][start_pos:start_pos + T], rope[1][start_pos:start_pos + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
 
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        cache: KVCache | None = None,
+        layer: int = 0,
+        start_pos: int = 0,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.heads(x, rope, start_pos)
+        dtype = v.dtype
         mask, is_causal = None, self.cfg.causal
         if cache is not None:
             end = start_pos + T
@@ -226,7 +239,7 @@ class Attention(nn.Module):
             scale=self.scale,
             enable_gqa=self.n_kv_head != self.n_head,
         )
-        y = y.to(proj.dtype).transpose(1, 2).reshape(B, T, self.n_head * self.d_head)
+        y = y.to(dtype).transpose(1, 2).reshape(B, T, self.n_head * self.d_head)
         return F.dropout(self.out_proj(y), self.dropout, self.training)
 
 

@@ -23,12 +23,14 @@ class ParamCount:
     attn_v: int
     attn_o: int
     query_map: int  # the nonlinear query's f (section 6); 0 otherwise
+    logit_gain: int  # one learnable logit scale per head with attn_scale = "learned"; else 0
     mlp: int
     norms: int
 
     @property
     def attention(self) -> int:
-        return self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.query_map
+        return (self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.query_map
+                + self.logit_gain)
 
     @property
     def embedding(self) -> int:
@@ -81,6 +83,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         attn_v=blocks * attn_v,
         attn_o=blocks * linear(q_dim, d),
         query_map=blocks * query_map,
+        logit_gain=blocks * cfg.n_head if cfg.learned_scale else 0,
         mlp=blocks * (linear(d, cfg.hidden) + linear(cfg.hidden, d)),
         norms=(2 * blocks + 1) * _norm_params(cfg),
     )
@@ -91,7 +94,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     c = count_params(cfg)
     per_use = cfg.n_layer if cfg.share_layers else 1
     # the head is always a matmul, tied or not; embeddings are lookups
-    return per_use * (c.attention + c.mlp) + cfg.vocab_size * cfg.n_embd
+    return per_use * (c.attention - c.logit_gain + c.mlp) + cfg.vocab_size * cfg.n_embd
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None, training: bool = True) -> float:

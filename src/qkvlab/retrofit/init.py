@@ -61,6 +61,9 @@ def check_source(model: GPT, init: str) -> None:
     if cfg.projection != "baseline":
         raise QkvlabError(f"the source has projection={cfg.projection}: a retrofit starts from a "
                           "standard model with W_Q, W_K, W_V (projection=baseline)")
+    if cfg.learned_scale:
+        raise QkvlabError("the source learns a logit scale per head (attn_scale = \"learned\"): "
+                          "a retrofit starts from a model with one fixed attn_scale")
     if cfg.n_head * cfg.d_head != cfg.n_embd:
         raise QkvlabError(f"W_Q = I needs n_head * head_dim == n_embd, got {cfg.n_head} * "
                           f"{cfg.d_head} != {cfg.n_embd}")

@@ -142,6 +142,10 @@ def _check_source(model: GPT, to: str) -> str:
         raise QkvlabError(
             f"the source model has projection={cfg.projection}: a conversion starts from a "
             "standard model with W_Q, W_K and W_V (projection=baseline)")
+    if cfg.learned_scale:
+        raise QkvlabError("the source model learns a logit scale per head (attn_scale = "
+                          "\"learned\"): the theorems assume one scale for all heads; convert "
+                          "a model trained with a fixed attn_scale")
     which = to[0]
     W = f"W_{which.upper()}"
     d, q_dim = cfg.n_embd, cfg.n_head * cfg.d_head

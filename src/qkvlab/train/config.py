@@ -346,7 +346,13 @@ def config_toml(cfg: RunConfig) -> str:
     import tomli_w
 
     data = {section: _drop_none(table) for section, table in cfg.to_dict().items()}
-    return tomli_w.dumps(data)
+    text = tomli_w.dumps(data)
+    m = cfg.model
+    if m.scale_rule != "number":  # record the number a rule resolves to beside the rule
+        line = f"attn_scale = {tomli_w.dumps({'v': m.attn_scale})[4:].strip()}\n"
+        what = "initial value; times a learned gain per head" if m.learned_scale else "resolved"
+        text = text.replace(line, f"{line[:-1]}  # {what}: {m.scale:.6g}\n", 1)
+    return text
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
