@@ -6,7 +6,7 @@
 # then pools every pair for the median ratio and its distribution-free 95% interval.
 #
 #   OUT=runs/bench/baby-share benchmarks/baby_share.sh       # ~9 minutes on 2 cores
-#   OUT=... RUNS=4 REPEATS=5 STEPS=3 benchmarks/baby_share.sh  # the session-3 protocol
+#   OUT=... RUNS=4 REPEATS=5 STEPS=3 benchmarks/baby_share.sh  # the first, shorter protocol
 #   OUT=runs/bench/baby-share-compile IMPLS=eager EXTRA=--compile benchmarks/baby_share.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 """What the blocked causal path of eager attention buys: one model's training step timed with
-the blocks (model.gpt.causal_block_rows, the default) and with one block of all rows, the two
-interleaved in pairs whose order flips, on the same weights and batch.
+the blocks (model.attention_kernels.causal_block_rows, the default) and with one block of all
+rows, the two interleaved in pairs whose order flips, on the same weights and batch.
 
     python benchmarks/causal_blocks.py --shape paper --batch-size 1 --pairs 6   # ~1 min
     python benchmarks/causal_blocks.py --shape baby --batch-size 12 --pairs 16
@@ -17,8 +17,8 @@ import torch
 from qkvlab.bench.run import SHAPES
 from qkvlab.bench.timing import interleaved, median_interval
 from qkvlab.bench.workloads import TrainBench
-from qkvlab.model import ModelConfig, gpt
-from qkvlab.train.perf import keep_freed_memory
+from qkvlab.model import ModelConfig, attention_kernels
+from qkvlab.perf import keep_freed_memory
 
 
 def main() -> None:
@@ -30,17 +30,17 @@ def main() -> None:
     keep_freed_memory()
     cfg = replace(ModelConfig(**SHAPES[args.shape].model), attn_impl="eager")
     bench = TrainBench(cfg, args.batch_size, torch.device("cpu"), torch.bfloat16, False)
-    default_rows = gpt.causal_block_rows
+    default_rows = attention_kernels.causal_block_rows
     modes = {"blocks": default_rows, "one block": lambda n_q: n_q}
     times: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(2):
         bench.step()  # warm-up
     for r in range(args.pairs):
         for name in interleaved(list(modes), r):
-            gpt.causal_block_rows = modes[name]
+            attention_kernels.causal_block_rows = modes[name]
             bench.step()  # a first step at this block size, untimed
             times[name].append(bench.time_steps(1))
-    gpt.causal_block_rows = default_rows
+    attention_kernels.causal_block_rows = default_rows
     ratios = [one / blocked for one, blocked in zip(times["one block"], times["blocks"],
                                                     strict=True)]
     ci = median_interval(ratios)

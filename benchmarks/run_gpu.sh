@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check of issue 7, prepared as one command for a short lease on one GPU (an H200 here):
-# tokens/s, MFU and peak memory of the paper's baseline and W_Q = I (bf16, compiled, batch 16 x
-# 1024), then the baby shape, then decode with the KV cache. About 8 minutes, compile included.
+# The GPU benchmark in one command, sized for one GPU (written for an H200; not yet run, so no
+# GPU figures exist yet): tokens/s, MFU and peak memory of the paper's baseline and W_Q = I
+# (bf16, compiled, batch 16 x 1024), then the baby shape, then decode with the KV cache. About
+# 8 minutes, compile included.
 #
 #   OUT=/tmp/bench benchmarks/run_gpu.sh
 #
@@ -27,8 +28,8 @@ run() {  # run NAME ARGS...: table to NAME.txt (and the terminal), numbers to NA
     "$PY" -m qkvlab bench "$@" --json "$OUT/$name.json" | tee "$OUT/$name.txt"
 }
 
-# The paper's models (12x768, ctx 1024, vocab 50304), compiled, training only: the MFU and
-# share-of-ideal targets (>= 45%, >= 80%).
+# The paper's models (12x768, ctx 1024, vocab 50304), compiled, training only: MFU and the share
+# of the ideal speed-up realised (the CPU figures to compare with: benchmarks/README.md).
 run paper-cuda --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 12 \
     --steps 10 --no-inference  # 12 pairs: enough for a 95% interval on the share
 # Inference at the paper shape: prefill / decode with the cache at 128, 512, 1024.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The CPU-scale experiments of record (issue 4): cpu-paper, cpu-nonlinear-q, cpu-encoder-mlm,
-# three seeds each, one after the other; about 4 hours on 2 quiet cores. Resumable: run it again
-# after an interruption and it skips finished runs and resumes the interrupted one. Then:
+# The CPU-scale experiments of record (docs/results/README.md): cpu-paper, cpu-nonlinear-q,
+# cpu-encoder-mlm, three seeds each, one after the other; about 4 hours on 2 quiet cores.
+# Resumable: run it again after an interruption and it skips finished runs and resumes the
+# interrupted one. Then:
 #   qkvlab report $OUT/<spec> --out docs/results/<spec> --per-window
 #
 #   OUT=/root/qkvlab-sweeps scripts/run_cpu_sweeps.sh            # all three specs

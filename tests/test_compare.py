@@ -6,8 +6,8 @@ import pytest
 
 from qkvlab.cli import main
 from qkvlab.model.params import count_params
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train.config import load_config
-from qkvlab.train.trainer import read_metrics
 
 
 def test_compare_trains_three_variants_and_reports(tmp_path, monkeypatch, capsys):

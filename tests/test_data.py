@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib
 import json
@@ -13,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from qkvlab.cli import main as cli_main
 from qkvlab.data import (
     TokenData,
     cache_dir,
     default_data_dir,
     prepare,
-    prepare_command,
     read_source,
     shakespeare_path,
     token_dtype,
@@ -26,7 +25,7 @@ from qkvlab.data import (
 from qkvlab.data import cache as cache_mod
 from qkvlab.data.cache import RemoteFile, fetch_file, fetch_url
 from qkvlab.data.corpus import SHAKESPEARE, SHAKESPEARE_SIZE, source_kind
-from qkvlab.data.prepare import add_prepare_arguments, dataset_chunks, write_tokens
+from qkvlab.data.prepare import shard_ids, write_tokens
 from qkvlab.errors import QkvlabError
 
 SHAKESPEARE_SHA = SHAKESPEARE.sha256
@@ -354,21 +353,17 @@ def test_prepare_command(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     src = tmp_path / "story.txt"
     src.write_text("once upon a time there was a test. " * 40)
-    parser = argparse.ArgumentParser()
-    add_prepare_arguments(parser)
-    args = parser.parse_args([str(src), "--tokenizer", "bytes", "--val-fraction", "0.25"])
-    assert prepare_command(args) == 0
+    assert cli_main(["prepare", str(src), "--tokenizer", "bytes", "--val-fraction", "0.25"]) == 0
     out = capsys.readouterr().out
     assert "data/story-bytes" in out and "train" in out and "vocab 256" in out
     meta = json.loads((tmp_path / "data" / "story-bytes" / "meta.json").read_text())
     assert meta["val_fraction"] == 0.25
-    args = parser.parse_args([str(src), "--tokenizer", "char", "--out", "data/story-bytes"])
-    with pytest.raises(QkvlabError, match="--force"):
-        prepare_command(args)
-    args = parser.parse_args(
-        [str(src), "--tokenizer", "char", "--out", "data/story-bytes", "--force"]
-    )
-    assert prepare_command(args) == 0
+    # the CLI turns the QkvlabError into its exit status and a one-line message
+    code = cli_main(["prepare", str(src), "--tokenizer", "char", "--out", "data/story-bytes"])
+    assert code == QkvlabError.exit_code and "--force" in capsys.readouterr().err
+    assert cli_main(
+        ["prepare", str(src), "--tokenizer", "char", "--out", "data/story-bytes", "--force"]
+    ) == 0
 
 
 def test_write_tokens_chunks(tmp_path):
@@ -423,9 +418,9 @@ class FakeDataset:
         return FakeDataset(self.rows[start : start + size + (index < extra)])
 
 
-def test_dataset_chunks_list_of_dicts():
+def test_shard_ids_list_of_dicts():
     rows = [{"ids": list(range(i, i + 3)), "len": 3} for i in range(10)]
-    chunks = list(dataset_chunks(FakeDataset(rows), max_shards=4))
+    chunks = [shard_ids(FakeDataset(rows), 4, index) for index in range(4)]
     assert len(chunks) == 4
     assert np.concatenate(chunks).tolist() == [t for r in rows for t in r["ids"]]
 

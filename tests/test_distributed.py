@@ -23,9 +23,10 @@ import torch.distributed as dist
 
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
-from qkvlab.train.config import load_config, save_config
+from qkvlab.run.metrics import read_metrics
+from qkvlab.train.config import RESUME_HARMLESS, load_config, save_config
 from qkvlab.train.distributed import BatchPlan, _by_index, plan_batches
-from qkvlab.train.trainer import RESUME_HARMLESS, read_metrics, train
+from qkvlab.train.trainer import train
 
 TOL = 1e-5
 needs_gloo = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),

@@ -16,8 +16,9 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
 from qkvlab.experiments.spec import config_identity, load_spec, parse_spec, spec_names
 from qkvlab.experiments.stats import paired_t, summarize
-from qkvlab.experiments.variants import PAPER_SHAPE, derive, paper_variants
 from qkvlab.model.config import ModelConfig
+from qkvlab.model.variants import PAPER_SHAPE, derive, paper_variants
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
 from qkvlab.train.config import load_config, save_config
 
@@ -65,7 +66,7 @@ def write_spec(folder: Path, data_dir: Path, name: str = "tiny", extra: str = ""
 
 
 def final_losses(run_dir: Path) -> dict[int, float]:
-    return {r["step"]: r["val_loss"] for r in trainer.read_metrics(run_dir)
+    return {r["step"]: r["val_loss"] for r in read_metrics(run_dir)
             if r.get("val_loss") is not None}
 
 
@@ -191,7 +192,7 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     assert main(["sweep", str(spec), "--out", str(straight)]) == 0
 
     # A kill in the third run (baseline, seed 2) at step 6, after its checkpoint at step 4.
-    real_step, calls = trainer._train_step, {"n": 0}
+    real_step, calls = trainer.train_step, {"n": 0}
 
     def dying_step(*a, **k):
         calls["n"] += 1
@@ -199,9 +200,9 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
             raise KeyboardInterrupt
         return real_step(*a, **k)
 
-    monkeypatch.setattr(trainer, "_train_step", dying_step)
+    monkeypatch.setattr(trainer, "train_step", dying_step)
     assert main(["sweep", str(spec), "--out", str(killed)]) == 130
-    monkeypatch.setattr(trainer, "_train_step", real_step)
+    monkeypatch.setattr(trainer, "train_step", real_step)
     first = {p: (p / "metrics.jsonl").read_text() for p in
              (killed / "baseline" / "seed-1", killed / "q-identity" / "seed-1")}
     states = {r.run_dir.name + r.group.name: sweep_mod.run_state(r).status
@@ -449,7 +450,7 @@ rule = "q-identity"
     assert main(["sweep", str(spec), "--out", str(out)]) == 0
     assert main(["report", str(out)]) == 0
     md = (out / "report" / "report.md").read_text()
-    last = [r for r in trainer.read_metrics(out / "q-identity" / "seed-1") if "val_acc" in r][-1]
+    last = [r for r in read_metrics(out / "q-identity" / "seed-1") if "val_acc" in r][-1]
     assert "final val acc" in md and f"{last['val_acc']:.4f}" in md
     assert "claimed for encoders, never trained" in md and "one seed only" in md
     # a causal model with mlm is refused before training

@@ -20,8 +20,9 @@ from qkvlab.hf.gpt2 import export_problem, from_gpt2, to_gpt2
 from qkvlab.hf.importer import import_model_dir
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
+from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.load import load_model
 from qkvlab.theory.common import randomize_
-from qkvlab.train.checkpoint import load_model, write_checkpoint
 from qkvlab.train.config import DataConfig, RunConfig
 
 transformers = pytest.importorskip("transformers")
@@ -319,7 +320,7 @@ def _with_tokenizer(tmp_path: Path, tok, cfg: ModelConfig) -> Path:
 
 def test_char_tokenizer_has_no_hf_files_but_round_trips(tmp_path):
     from qkvlab.data.tokenizer import CharTokenizer
-    from qkvlab.train.commands import run_tokenizer
+    from qkvlab.run.load import run_tokenizer
 
     tok = CharTokenizer("abcdefgh \n")
     ckpt = _with_tokenizer(tmp_path, tok, tiny())

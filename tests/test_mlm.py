@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train import objectives
 from qkvlab.train.config import load_config
 from qkvlab.train.distributed import DistContext
-from qkvlab.train.trainer import read_metrics, train
+from qkvlab.train.trainer import train
 
 WORDS = "to be or not that is the question whether tis nobler in the mind".split()
 
@@ -118,8 +119,7 @@ def test_encoder_trains_with_masked_eval_and_resumes_exactly(data_dir, tmp_path,
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
 
     # the logged val loss is the token-weighted masked cross-entropy of the final weights
-    from qkvlab.train.checkpoint import load_model
-    from qkvlab.train.trainer import open_data
+    from qkvlab.run.load import load_model, open_data
 
     cfg = config(data_dir, tmp_path / "a")
     model, _ = load_model(tmp_path / "a")

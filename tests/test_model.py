@@ -13,12 +13,13 @@ from hypothesis import strategies as st
 
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT, PROJECTIONS, ModelConfig
+from qkvlab.model.attention_kernels import causal_block_rows, eager_attention
 from qkvlab.model.generate import generate, sample_next
-from qkvlab.model.gpt import Attention, causal_block_rows, eager_attention
+from qkvlab.model.gpt import Attention
 from qkvlab.model.params import count_params, flops_per_token
 
 PAPER = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
-# PAPER.md section 5: baseline, reduced, reduced+4.5d MLP, 3.5d MLP control, d=744 control
+# docs/paper.md section 5: baseline, reduced, reduced+4.5d MLP, 3.5d MLP control, d=744 control
 PAPER_VARIANTS = [
     (dict(), 84_953_856, 124_373_760),
     (dict(projection="q-identity"), 77_875_968, 117_295_872),

@@ -10,7 +10,7 @@ import pytest
 # kernel and are faulted in again every time (~4,000 faults per 16 MiB).
 PROBE = """
 import resource, sys, torch
-from qkvlab.train.perf import freed_memory_kept, keep_freed_memory
+from qkvlab.perf import freed_memory_kept, keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory() and freed_memory_kept()
 

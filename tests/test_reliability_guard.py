@@ -27,10 +27,14 @@ from safetensors import SafetensorError
 
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
-from qkvlab.train import checkpoint as ck
+from qkvlab.run import checkpoint as ck
+from qkvlab.run import layout, metrics, store
+from qkvlab.run import lock as run_lock
+from qkvlab.run.lock import RunLock
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
 from qkvlab.train.config import load_config, save_config
-from qkvlab.train.trainer import RunLock, read_metrics, train
+from qkvlab.train.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 def config(data_dir: Path, out: Path, *extra: str):
@@ -75,7 +79,7 @@ def full_disk_on(monkeypatch, target: str, how: str) -> None:
     real = ck.save_file
 
     def save_file(tensors, filename, metadata=None):
-        if target in str(filename) and filename.endswith(ck.OPTIM_FILE):
+        if target in str(filename) and filename.endswith(layout.OPTIM_FILE):
             real(tensors, filename, metadata=metadata)
             data = Path(filename).read_bytes()
             Path(filename).write_bytes(data[: len(data) // 2])
@@ -102,7 +106,7 @@ def test_disk_full_while_saving_keeps_the_previous_checkpoint(data_dir, tmp_path
     assert f"the last good checkpoint {run / 'ckpt-0000002'} is intact" in msg
     assert "free some space" in msg
     # nothing of the failed write is left, the previous checkpoint verifies and is `latest`
-    assert [p.name for p in ck.list_checkpoints(run)] == ["ckpt-0000002"]
+    assert [p.name for p in layout.list_checkpoints(run)] == ["ckpt-0000002"]
     ck.verify_checkpoint(run / "ckpt-0000002")
     assert (run / "latest").read_text().strip() == "ckpt-0000002"
     assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".old-", ".trash-"))]
@@ -128,21 +132,21 @@ def test_disk_full_replacing_an_existing_checkpoint_puts_the_old_one_back(data_d
         p.grad = torch.zeros_like(p)
     opt.step()
     with pytest.raises(ck.CheckpointWriteError, match="the disk is full") as err:
-        ck.save_checkpoint(cfg.run_dir, 4, model, opt, cfg, {}, keep_last=2)
+        store.save_checkpoint(cfg.run_dir, 4, model, opt, cfg, {}, keep_last=2)
     assert isinstance(err.value, OSError)  # callers catching OSError still do
     assert snapshot(tmp_path / "run" / "ckpt-0000004") == before
 
 
 def test_disk_full_in_the_metrics_log_names_the_last_good_checkpoint(data_dir, tmp_path,
                                                                      monkeypatch):
-    real = trainer.MetricsLog.write
+    real = metrics.MetricsLog.write
 
     def write(self, record):
         if record["step"] == 5:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
         return real(self, record)
 
-    monkeypatch.setattr(trainer.MetricsLog, "write", write)
+    monkeypatch.setattr(metrics.MetricsLog, "write", write)
     with pytest.raises(QkvlabError) as err:
         train(config(data_dir, tmp_path / "run"), quiet=True)
     msg = str(err.value)
@@ -180,7 +184,7 @@ def test_real_full_disk_on_a_tiny_tmpfs(data_dir, tmp_path, capsys):
         good = ck.last_good_checkpoint(run)
         assert good is not None and f"the last good checkpoint {good} is intact" in msg
         ck.verify_checkpoint(good)
-        assert ck.read_checkpoint(run).path == good  # what --resume would pick up
+        assert store.read_checkpoint(run).path == good  # what --resume would pick up
         assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".old-"))]
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
@@ -203,7 +207,7 @@ class _InfGrad(torch.autograd.Function):
 def poison(monkeypatch, steps: dict[int, str], seen: list) -> None:
     """At the given step indices, make the loss NaN ("loss") or the gradient inf ("grad"),
     and record each step's weights and optimizer state before and after it."""
-    real = trainer._train_step
+    real = trainer.train_step
 
     def step_fn(fwd, model, optimizer, *rest, **kw):
         step = rest[2]  # (data, cfg, step, ...)
@@ -225,7 +229,7 @@ def poison(monkeypatch, steps: dict[int, str], seen: list) -> None:
         seen.append((step, kind, rec, before, after))
         return rec
 
-    monkeypatch.setattr(trainer, "_train_step", step_fn)
+    monkeypatch.setattr(trainer, "train_step", step_fn)
 
 
 def same_state(a, b) -> bool:
@@ -266,7 +270,7 @@ def test_consecutive_nonfinite_steps_stop_naming_step_and_last_good_checkpoint(
     assert "non-finite loss or gradient for 3 consecutive steps (the last at step 7)" in msg
     assert f"the last good checkpoint is {run / 'ckpt-0000004'}" in msg
     # no checkpoint was written inside the streak, so keep_last did not rotate good ones out
-    assert [p.name for p in ck.list_checkpoints(run)] == ["ckpt-0000003", "ckpt-0000004"]
+    assert [p.name for p in layout.list_checkpoints(run)] == ["ckpt-0000003", "ckpt-0000004"]
     ck.verify_checkpoint(run / "ckpt-0000004")
     assert not (run / ".lock").exists()
 
@@ -283,7 +287,7 @@ def test_lock_file_rules(tmp_path):
     run.mkdir()
     lock = run / ".lock"
     host = socket.gethostname()
-    me = trainer._start_time(os.getpid())
+    me = run_lock._start_time(os.getpid())
     cases = {
         f"{dead_pid()} {host}": True,  # its process is gone: take over
         f"{dead_pid()} {host} 12345": True,
@@ -348,7 +352,7 @@ def test_second_run_refused_while_the_first_lives_then_takes_over(data_dir, tmp_
                              stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
-        while not ck.list_checkpoints(run) and time.monotonic() < deadline:
+        while not layout.list_checkpoints(run) and time.monotonic() < deadline:
             assert first.poll() is None, first.stderr.read()
             time.sleep(0.05)
         assert main(["train", str(cfg_file), "--out", str(run), "--resume"]) == 2
@@ -382,7 +386,7 @@ def test_resume_from_a_corrupt_latest_offers_the_previous_good(data_dir, tmp_pat
     cfg_file = save_config(config(data_dir, run, "train.max_steps=6"), tmp_path / "c.toml")
     assert main(["train", str(cfg_file), "--out", str(run)]) == 0
     capsys.readouterr()
-    bad = run / "ckpt-0000006" / ck.MODEL_FILE
+    bad = run / "ckpt-0000006" / layout.MODEL_FILE
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0x01  # one flipped bit
     bad.write_bytes(bytes(data))
@@ -405,6 +409,6 @@ def test_keep_last_and_best(data_dir, tmp_path):
                  "train.eval_interval=2"), quiet=True)
     names = sorted(p.name for p in (tmp_path / "run").iterdir() if p.is_dir())
     assert names == ["best", "ckpt-0000006", "ckpt-0000007", "ckpt-0000008", "tokenizer"]
-    best = ck.read_checkpoint(tmp_path / "run" / "best")
+    best = store.read_checkpoint(tmp_path / "run" / "best")
     vals = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r}
     assert best.state["val_loss"] == min(v for s, v in vals.items() if s > 0)

@@ -51,7 +51,8 @@ from qkvlab.cli import build_parser, main
 from qkvlab.data.prepare import prepare
 from qkvlab.fsutil import sha256_file
 from qkvlab.model.config import ModelConfig
-from qkvlab.train import checkpoint as ck
+from qkvlab.run import checkpoint as ck
+from qkvlab.run import layout
 from qkvlab.train.config import DataConfig, OptimConfig, TrainConfig, load_config, save_config
 from qkvlab.train.trainer import train
 
@@ -493,21 +494,21 @@ def test_malformed_data_folders(world, defects, via_eval):
 # ---- malformed checkpoints ----------------------------------------------------------------
 def reseal(ckpt: Path) -> None:
     """Rewrite the manifest to match the files as they are now (a "consistent" forgery)."""
-    manifest = json.loads((ckpt / ck.MANIFEST_FILE).read_text())
+    manifest = json.loads((ckpt / layout.MANIFEST_FILE).read_text())
     for name in list(manifest["files"]):
         if (ckpt / name).is_file():
             manifest["files"][name] = {"size": (ckpt / name).stat().st_size,
                                        "sha256": sha256_file(ckpt / name)}
-    (ckpt / ck.MANIFEST_FILE).write_text(json.dumps(manifest))
+    (ckpt / layout.MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
 def edit_state(ckpt: Path, fn) -> None:
-    state = json.loads((ckpt / ck.STATE_FILE).read_text())
+    state = json.loads((ckpt / layout.STATE_FILE).read_text())
     out = fn(state)
-    (ckpt / ck.STATE_FILE).write_text(json.dumps(state if out is None else out, default=str))
+    (ckpt / layout.STATE_FILE).write_text(json.dumps(state if out is None else out, default=str))
 
 
-FILES = [ck.MODEL_FILE, ck.OPTIM_FILE, ck.STATE_FILE]
+FILES = [layout.MODEL_FILE, layout.OPTIM_FILE, layout.STATE_FILE]
 # config keys `sample` rightly does not look at (it needs neither data nor a batch size)
 SAMPLE_IGNORES = {("train", "batch_size"), ("train", "eval_windows"), ("data", "tokenizer")}
 SEALED = {"model_bytes", "model_other", "model_keys", "model_dtype", "model_nan", "state_junk",
@@ -534,7 +535,7 @@ def ckpt_defect(draw, optimizer_only: bool = False):
     if kind == "flip":
         return kind, (file, draw(st.integers(0, 10**7)), draw(st.integers(1, 255)))
     if kind == "delete":
-        return kind, draw(st.sampled_from([*FILES, ck.MANIFEST_FILE]))
+        return kind, draw(st.sampled_from([*FILES, layout.MANIFEST_FILE]))
     if kind == "replace":
         return kind, (file, draw(st.binary(max_size=300)))
     if kind == "manifest_junk":
@@ -627,10 +628,10 @@ def _forge(world: World, ckpt: Path, kind: str, arg: Any) -> None:
     elif kind == "delete":
         (ckpt / arg).unlink()
     elif kind == "manifest_junk":
-        (ckpt / ck.MANIFEST_FILE).write_bytes(arg)
+        (ckpt / layout.MANIFEST_FILE).write_bytes(arg)
     elif kind == "manifest_entry":
         how, name, junk = arg
-        manifest = json.loads((ckpt / ck.MANIFEST_FILE).read_text())
+        manifest = json.loads((ckpt / layout.MANIFEST_FILE).read_text())
         files = manifest["files"]
         if how == "drop":
             del files[name]
@@ -644,13 +645,14 @@ def _forge(world: World, ckpt: Path, kind: str, arg: Any) -> None:
             files["phantom.bin"] = {"size": 1, "sha256": "0" * 64}
         else:
             files[name] = junk
-        (ckpt / ck.MANIFEST_FILE).write_text(json.dumps(manifest, default=str))
+        (ckpt / layout.MANIFEST_FILE).write_text(json.dumps(manifest, default=str))
     elif kind in ("model_bytes", "opt_bytes"):
-        (ckpt / (ck.MODEL_FILE if kind == "model_bytes" else ck.OPTIM_FILE)).write_bytes(arg)
+        name = layout.MODEL_FILE if kind == "model_bytes" else layout.OPTIM_FILE
+        (ckpt / name).write_bytes(arg)
     elif kind == "model_other":
-        shutil.copy(world.other / ck.MODEL_FILE, ckpt / ck.MODEL_FILE)
+        shutil.copy(world.other / layout.MODEL_FILE, ckpt / layout.MODEL_FILE)
     elif kind in ("model_keys", "model_dtype", "model_nan"):
-        tensors = load_file(str(ckpt / ck.MODEL_FILE))
+        tensors = load_file(str(ckpt / layout.MODEL_FILE))
         name = sorted(tensors)[0]
         if kind == "model_keys" and arg == "drop":
             del tensors[name]
@@ -663,15 +665,15 @@ def _forge(world: World, ckpt: Path, kind: str, arg: Any) -> None:
         else:
             tensors[name] = tensors[name].clone()
             tensors[name].view(-1)[0] = arg
-        save_file(tensors, str(ckpt / ck.MODEL_FILE))
+        save_file(tensors, str(ckpt / layout.MODEL_FILE))
     elif kind == "state_junk":
-        (ckpt / ck.STATE_FILE).write_bytes(arg)
+        (ckpt / layout.STATE_FILE).write_bytes(arg)
     elif kind == "state_field":
         edit_state(ckpt, lambda s: s.__setitem__(arg[0], arg[1]))
     elif kind == "state_config":
         edit_state(ckpt, lambda s: s.__setitem__("config", apply_defects(s["config"], arg)))
     elif kind == "state_other_config":
-        other = json.loads((world.other / ck.STATE_FILE).read_text())["config"]
+        other = json.loads((world.other / layout.STATE_FILE).read_text())["config"]
         edit_state(ckpt, lambda s: s.__setitem__("config", other))
     elif kind == "rng":
         def set_rng(s):
@@ -683,7 +685,7 @@ def _forge(world: World, ckpt: Path, kind: str, arg: Any) -> None:
                 s["rng"] = arg
         edit_state(ckpt, set_rng)
     elif kind in ("opt_shape", "opt_key", "opt_dtype"):
-        tensors = load_file(str(ckpt / ck.OPTIM_FILE))
+        tensors = load_file(str(ckpt / layout.OPTIM_FILE))
         name = sorted(k for k in tensors if k.endswith("exp_avg"))[0]
         if kind == "opt_shape":
             tensors[name] = torch.zeros(tuple(tensors[name].shape) + (arg,))
@@ -691,7 +693,7 @@ def _forge(world: World, ckpt: Path, kind: str, arg: Any) -> None:
             tensors[arg] = tensors.pop(name)
         else:
             tensors[name] = tensors[name].to(arg)
-        save_file(tensors, str(ckpt / ck.OPTIM_FILE))
+        save_file(tensors, str(ckpt / layout.OPTIM_FILE))
     elif kind == "opt_meta":
         def bad_meta(s):
             groups = s["optimizer"]["param_groups"]
@@ -741,7 +743,7 @@ def test_malformed_checkpoints(world, defects, command, direct):
         for kind, arg in sorted(defects, key=lambda ka: ka[0] not in SEALED):
             forge(world, ckpt, kind, arg, seal)
         if not seal:  # raw damage that undid itself (two equal flips) is no defect at all
-            assume(ck._problem(ckpt) is not None)
+            assume(ck.checkpoint_problem(ckpt) is not None)
         refused(checkpoint_argv(command, run, ckpt, d, direct), d, [world.data, world.run],
                 "checkpoint")
 
@@ -994,7 +996,7 @@ def test_pickle_payloads_are_refused_without_running(world, tmp_path):
                 ckpt = run / "ckpt-0000002"
                 commands: list[list[str]]
                 if place in ("model", "optimizer"):
-                    name = ck.MODEL_FILE if place == "model" else ck.OPTIM_FILE
+                    name = layout.MODEL_FILE if place == "model" else layout.OPTIM_FILE
                     (ckpt / name).write_bytes(payload)
                     reseal(ckpt)  # the manifest vouches for it: the loader must still refuse
                     (ckpt / "model.pt").write_bytes(payload)  # and a .pt beside it

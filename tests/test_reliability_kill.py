@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from qkvlab.train import checkpoint as ck
+from qkvlab.run import checkpoint as ck
+from qkvlab.run import layout
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train.config import load_config, save_config
-from qkvlab.train.trainer import read_metrics
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_STEPS = 45
@@ -64,7 +65,7 @@ def spawn(cfg: Path, run: Path, slow: bool) -> subprocess.Popen:
 
 
 def guard_env() -> str:
-    from qkvlab.train.guard import SLOW_CKPT_ENV
+    from qkvlab.run.guard import SLOW_CKPT_ENV
 
     return SLOW_CKPT_ENV
 
@@ -106,11 +107,11 @@ def wait_until(cond, proc: subprocess.Popen, timeout: float) -> bool:
 def newest_good(run: Path) -> int:
     """Step of the newest checkpoint; asserts that every visible checkpoint verifies."""
     newest = -1
-    for path in ck.list_checkpoints(run):
+    for path in layout.list_checkpoints(run):
         ck.verify_checkpoint(path)  # raises CorruptCheckpoint: a visible checkpoint is broken
-        newest = max(newest, ck.ckpt_step(path) or -1)
-    if (run / ck.BEST_DIR).exists():
-        ck.verify_checkpoint(run / ck.BEST_DIR)
+        newest = max(newest, layout.ckpt_step(path) or -1)
+    if (run / layout.BEST_DIR).exists():
+        ck.verify_checkpoint(run / layout.BEST_DIR)
     return newest
 
 
@@ -159,7 +160,7 @@ def test_sigkill_anywhere_then_resume_gives_identical_losses(tmp_path, data_dir)
             assert "stopped by signal" in out or finished, out
             if not finished:
                 step = int(out.split("stopped by signal")[1].split("at step ")[1].split(";")[0])
-                assert (run / "latest").read_text().strip() == ck.ckpt_name(step)
+                assert (run / "latest").read_text().strip() == layout.ckpt_name(step)
                 assert not (run / ".lock").exists()  # released on the way out
                 signals += 1
                 kinds[sig.name] = kinds.get(sig.name, 0) + 1
@@ -197,12 +198,12 @@ def test_sigkill_anywhere_then_resume_gives_identical_losses(tmp_path, data_dir)
     a, b = trajectory(tmp_path / "straight"), trajectory(run)
     assert [r[0] for r in b] == list(range(MAX_STEPS + 1))  # every step once, no duplicates
     assert a == b  # bitwise: JSON round-trips floats exactly
-    last = ck.ckpt_name(MAX_STEPS)
-    for name in (ck.MODEL_FILE, ck.OPTIM_FILE):
+    last = layout.ckpt_name(MAX_STEPS)
+    for name in (layout.MODEL_FILE, layout.OPTIM_FILE):
         assert (tmp_path / "straight" / last / name).read_bytes() == \
             (run / last / name).read_bytes()
     rest = [p.name for p in run.iterdir()
             if p.name.startswith(LEFTOVER_PREFIXES) or p.name.endswith(".tmp") or p.name == ".lock"]
     assert rest == []
-    assert len(ck.list_checkpoints(run)) == 2  # keep_last, plus best/
-    assert (run / ck.BEST_DIR).is_dir()
+    assert len(layout.list_checkpoints(run)) == 2  # keep_last, plus best/
+    assert (run / layout.BEST_DIR).is_dir()

@@ -13,11 +13,11 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
-from qkvlab.retrofit.command import retrofit_checkpoint
+from qkvlab.retrofit.checkpoint import retrofit_checkpoint
 from qkvlab.retrofit.heal import HealConfig, distill_loss
 from qkvlab.retrofit.init import attention_moments, build_student
+from qkvlab.run.load import load_model
 from qkvlab.theory.common import random_model
-from qkvlab.train.checkpoint import load_model
 from qkvlab.train.config import load_config
 from qkvlab.train.trainer import train
 

@@ -1,4 +1,4 @@
-"""Theory toolkit: exact conversions (PAPER.md sections 1-2) and their refusals.
+"""Theory toolkit: exact conversions (docs/paper.md sections 1-2) and their refusals.
 
 Property-based: random shapes (d, H, L, m), layouts and seeds. Every exact conversion must match
 to float64 rounding error; every obstruction must miss by far more.
@@ -265,7 +265,8 @@ def test_refuses_layouts_outside_the_theorems():
 
 def test_converted_model_trains_samples_and_saves(tmp_path):
     from qkvlab.model.generate import generate
-    from qkvlab.train.checkpoint import load_model, write_checkpoint
+    from qkvlab.run.checkpoint import write_checkpoint
+    from qkvlab.run.load import load_model
     from qkvlab.train.config import RunConfig
 
     torch.manual_seed(0)

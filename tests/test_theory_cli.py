@@ -44,7 +44,7 @@ def data_dir(tmp_path_factory):
 
 
 def _checkpoint(tmp_path, data_dir, **overrides):
-    from qkvlab.train.checkpoint import write_checkpoint
+    from qkvlab.run.checkpoint import write_checkpoint
     from qkvlab.train.config import DataConfig, RunConfig, TrainConfig
 
     cfg = small_config(**{"vocab_size": 65, "block_size": 32, "n_layer": 2,
@@ -58,7 +58,7 @@ def _checkpoint(tmp_path, data_dir, **overrides):
 
 
 def test_convert_command_writes_a_regular_checkpoint(tmp_path, data_dir, capsys):
-    from qkvlab.train.checkpoint import load_model
+    from qkvlab.run.load import load_model
 
     model, ckpt = _checkpoint(tmp_path, data_dir)
     assert main(["convert", str(ckpt), "--to", "q-identity"]) == 0

@@ -1,4 +1,4 @@
-"""Measured limits (PAPER.md section 3 and the full-skip case of 2.3): normalization obstructs
+"""Measured limits (docs/paper.md section 3 and the full-skip case of 2.3): normalization obstructs
 the conversion, except for orthogonal W_Q (RMSNorm) or orthogonal W_Q keeping 1 (LayerNorm)."""
 
 from __future__ import annotations

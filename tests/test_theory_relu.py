@@ -1,4 +1,4 @@
-"""ReLU skip absorption (PAPER.md section 4): the index-set condition and its construction."""
+"""ReLU skip absorption (docs/paper.md section 4): the index-set condition and its construction."""
 
 from __future__ import annotations
 

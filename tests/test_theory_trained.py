@@ -1,6 +1,6 @@
 """A trained model converted to W_Q = I: same validation loss, d^2 fewer parameters per layer.
 
-No normalization, skips around attention only (PAPER.md section 2.2), trained for a few hundred
+No normalization, skips around attention only (docs/paper.md section 2.2), trained for a few hundred
 steps on the embedded corpus with plain AdamW, then converted and evaluated in float64.
 """
 
@@ -16,7 +16,7 @@ from qkvlab.data.prepare import prepare
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.theory import convert
-from qkvlab.theory.convert_cmd import compare_models
+from qkvlab.theory.convert_checkpoint import compare_models
 
 STEPS, BATCH, CTX, D, LAYERS = 300, 16, 64, 64, 2
 

@@ -12,7 +12,8 @@ import torch
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import sha256_file
 from qkvlab.model import GPT
-from qkvlab.train import checkpoint as ck
+from qkvlab.run import checkpoint as ck
+from qkvlab.run import layout, load, rng, store
 from qkvlab.train.config import load_config
 from qkvlab.train.optim import build_optimizer
 
@@ -35,7 +36,7 @@ def tiny(tmp_path: Path, *extra: str):
 
 
 def save(cfg, model, opt, step: int, keep_last: int = 3) -> Path:
-    return ck.save_checkpoint(cfg.run_dir, step, model, opt, cfg,
+    return store.save_checkpoint(cfg.run_dir, step, model, opt, cfg,
                               {"tokens": step * 10, "best_val_loss": 2.5}, keep_last)
 
 
@@ -66,7 +67,7 @@ def test_tied_head_is_stored_once_and_retied(tmp_path):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
     assert "lm_head.weight" not in keys and "wte.weight" in keys
-    loaded, info = ck.load_model(cfg.run_dir)
+    loaded, info = load.load_model(cfg.run_dir)
     assert loaded.lm_head.weight is loaded.wte.weight
     assert info.step == 1 and info.config == cfg and not loaded.training
     x = torch.randint(0, 40, (2, 16))
@@ -77,7 +78,7 @@ def test_tied_head_is_stored_once_and_retied(tmp_path):
     path2 = save(cfg2, model2, opt2, 1)
     with safe_open(str(path2 / "model.safetensors"), "pt") as f:
         assert "lm_head.weight" in set(f.keys())
-    loaded2, _ = ck.load_model(path2)
+    loaded2, _ = load.load_model(path2)
     assert torch.equal(loaded2.lm_head.weight, model2.lm_head.weight)
 
 
@@ -86,7 +87,7 @@ def test_optimizer_and_rng_round_trip_bitwise(tmp_path):
     torch.manual_seed(123)
     path = save(cfg, model, opt, 2)
     expected_next = torch.rand(3)
-    info = ck.read_checkpoint(path)
+    info = store.read_checkpoint(path)
     model2 = GPT(cfg.model)
     ck.load_model_state(model2, info)
     opt2 = build_optimizer(model2, cfg.optim)
@@ -97,7 +98,7 @@ def test_optimizer_and_rng_round_trip_bitwise(tmp_path):
         for name, value in a["state"][idx].items():
             assert torch.equal(value, b["state"][idx][name]), (idx, name)
     assert a["param_groups"] == b["param_groups"]
-    ck.set_rng_state(info.state["rng"])
+    rng.set_rng_state(info.state["rng"])
     assert torch.equal(torch.rand(3), expected_next)
 
 
@@ -105,8 +106,9 @@ def test_keep_last_prunes_old_checkpoints(tmp_path):
     cfg, model, opt = tiny(tmp_path)
     for step in (1, 2, 3, 4):
         save(cfg, model, opt, step, keep_last=2)
-    assert [p.name for p in ck.list_checkpoints(cfg.run_dir)] == ["ckpt-0000003", "ckpt-0000004"]
-    assert ck.find_checkpoint(cfg.run_dir).name == "ckpt-0000004"
+    assert [p.name for p in layout.list_checkpoints(cfg.run_dir)] == ["ckpt-0000003",
+                                                                      "ckpt-0000004"]
+    assert store.find_checkpoint(cfg.run_dir).name == "ckpt-0000004"
     # resaving an existing step replaces it atomically
     save(cfg, model, opt, 4, keep_last=2)
     ck.verify_checkpoint(cfg.run_dir / "ckpt-0000004")
@@ -135,7 +137,7 @@ def test_clean_temp_restores_a_checkpoint_renamed_aside(tmp_path):
     # a crash between "rename the old folder aside" and "rename the new one in"
     path.rename(cfg.run_dir / ".old-ckpt-0000001-abcd1234")
     (cfg.run_dir / ".tmp-ckpt-ckpt-0000001-1-deadbeef").mkdir()
-    ck.clean_temp(cfg.run_dir)
+    store.clean_temp(cfg.run_dir)
     ck.verify_checkpoint(path)
     assert sorted(p.name for p in cfg.run_dir.iterdir()) == ["ckpt-0000001", "latest"]
 
@@ -157,14 +159,14 @@ def test_corruption_is_detected_and_names_the_previous_good(tmp_path, damage):
     else:
         (bad / "manifest.json").write_text("{not json")
     with pytest.raises(ck.CorruptCheckpoint) as err:
-        ck.load_model(cfg.run_dir)  # `latest` names the damaged one
+        load.load_model(cfg.run_dir)  # `latest` names the damaged one
     msg = str(err.value)
     assert f"checkpoint {bad} is corrupt" in msg
     assert "model.safetensors" in msg or "manifest.json" in msg
     assert "previous good checkpoint is" in msg and "ckpt-0000001" in msg
     # without `latest`, a run folder falls back to the newest checkpoint that verifies
     (cfg.run_dir / "latest").unlink()
-    assert ck.find_checkpoint(cfg.run_dir).name == "ckpt-0000001"
+    assert store.find_checkpoint(cfg.run_dir).name == "ckpt-0000001"
 
 
 def test_pickle_files_are_refused_and_never_loaded(tmp_path, monkeypatch):
@@ -177,12 +179,12 @@ def test_pickle_files_are_refused_and_never_loaded(tmp_path, monkeypatch):
     pt = tmp_path / "model.pt"
     torch.save(model.state_dict(), pt)
     with pytest.raises(QkvlabError, match="never unpickles"):
-        ck.load_model(pt)
+        load.load_model(pt)
     folder = tmp_path / "legacy"
     folder.mkdir()
     torch.save(model.state_dict(), folder / "ckpt.pt")
     with pytest.raises(QkvlabError, match=r"found ckpt.pt: pickle files are never loaded"):
-        ck.load_model(folder)
+        load.load_model(folder)
     # a pickle smuggled in as model.safetensors, with a manifest that matches it
     path = save(cfg, model, opt, 1)
     torch.save(model.state_dict(), path / "model.safetensors")
@@ -192,7 +194,7 @@ def test_pickle_files_are_refused_and_never_loaded(tmp_path, monkeypatch):
         "sha256": sha256_file(path / "model.safetensors")}
     (path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ck.CorruptCheckpoint, match="not readable model safetensors"):
-        ck.load_model(path)
+        load.load_model(path)
 
 
 def test_no_unpickling_anywhere_in_the_package():
@@ -206,7 +208,7 @@ def test_no_unpickling_anywhere_in_the_package():
 def test_incompatible_config_is_refused(tmp_path):
     cfg, model, opt = tiny(tmp_path)
     path = save(cfg, model, opt, 1)
-    info = ck.read_checkpoint(path)
+    info = store.read_checkpoint(path)
     other = GPT(load_config("shakespeare-char", [*TINY, "model.n_embd=64"]).model)
     with pytest.raises(QkvlabError, match=r"does not fit the model config \(.*wte.weight is "
                                           r"\[40, 32\] in the checkpoint but \[40, 64\]"):
@@ -220,14 +222,14 @@ def test_best_checkpoint_has_no_optimizer(tmp_path):
     cfg, model, opt = tiny(tmp_path)
     best = ck.write_checkpoint(cfg.run_dir / "best", model, cfg, state={"step": 3})
     assert not (best / "optimizer.safetensors").exists()
-    info = ck.read_checkpoint(best)
+    info = store.read_checkpoint(best)
     assert not info.has_optimizer and info.step == 3
     with pytest.raises(QkvlabError, match="no optimizer state"):
         ck.load_optimizer_state(opt, info)
     # a run folder with only best/ still finds it
-    assert ck.find_checkpoint(cfg.run_dir) == best
+    assert store.find_checkpoint(cfg.run_dir) == best
     with pytest.raises(QkvlabError, match="does not exist"):
-        ck.find_checkpoint(tmp_path / "nope")
+        store.find_checkpoint(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(QkvlabError, match="no qkvlab checkpoint"):
-        ck.find_checkpoint(tmp_path / "empty")
+        store.find_checkpoint(tmp_path / "empty")

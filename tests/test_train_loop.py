@@ -15,9 +15,10 @@ import torch
 
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
 from qkvlab.train.config import load_config, save_config
-from qkvlab.train.trainer import read_metrics, train
+from qkvlab.train.trainer import train
 
 
 def vocab(data_dir: Path) -> int:
@@ -64,7 +65,7 @@ def test_resume_is_exact(data_dir, tmp_path, dtype):
 
 def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch):
     train(config(data_dir, tmp_path / "a"), quiet=True)
-    real_step = trainer._train_step
+    real_step = trainer.train_step
 
     def step_then_sigterm(*args, **kwargs):
         rec = real_step(*args, **kwargs)
@@ -72,12 +73,12 @@ def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch
             os.kill(os.getpid(), signal.SIGTERM)
         return rec
 
-    monkeypatch.setattr(trainer, "_train_step", step_then_sigterm)
+    monkeypatch.setattr(trainer, "train_step", step_then_sigterm)
     summary = train(config(data_dir, tmp_path / "b"), quiet=True)
     assert summary["interrupted"] and summary["steps"] == 3
     assert (tmp_path / "b/latest").read_text().strip() == "ckpt-0000003"
     assert json.loads((tmp_path / "b/summary.json").read_text())["interrupted"]
-    monkeypatch.setattr(trainer, "_train_step", real_step)
+    monkeypatch.setattr(trainer, "train_step", real_step)
     train(config(data_dir, tmp_path / "b"), resume=True, quiet=True)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
@@ -85,19 +86,19 @@ def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch
 def test_crash_after_checkpoint_resumes_without_duplicate_metrics(data_dir, tmp_path,
                                                                   monkeypatch):
     train(config(data_dir, tmp_path / "a"), quiet=True)
-    real_step = trainer._train_step
+    real_step = trainer.train_step
 
     def crash_at_step_6(*args, **kwargs):
         if args[5] == 6:
             raise RuntimeError("power cut")
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(trainer, "_train_step", crash_at_step_6)
+    monkeypatch.setattr(trainer, "train_step", crash_at_step_6)
     with pytest.raises(RuntimeError, match="power cut"):
         train(config(data_dir, tmp_path / "b"), quiet=True)
     assert [r["step"] for r in read_metrics(tmp_path / "b")][-1] == 6  # past ckpt-0000004
     assert not (tmp_path / "b/.lock").exists()  # released on the way out
-    monkeypatch.setattr(trainer, "_train_step", real_step)
+    monkeypatch.setattr(trainer, "train_step", real_step)
     train(config(data_dir, tmp_path / "b"), resume=True, quiet=True)
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 

@@ -1,6 +1,6 @@
 """The denominator of MFU for the benchmark: datasheet peak on a known GPU, else measured.
 
-The measurement and the GPU table live in qkvlab.train.perf (one copy, shared with the trainer's
+The measurement and the GPU table live in qkvlab.perf (one copy, shared with the trainer's
 MFU). This module adds what a benchmark wants on top: several matmul sizes (the best one is
 the attainable peak), and both candidates kept for the record, so the report can show how far
 the datasheet is from what this machine really reaches.
@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from qkvlab.train.perf import known_gpu_peak, measure_matmul_peak
+from qkvlab.perf import known_gpu_peak, measure_matmul_peak
 
 
 def default_sizes(device: torch.device) -> tuple[int, ...]:
@@ -23,7 +23,7 @@ def default_sizes(device: torch.device) -> tuple[int, ...]:
 
 def measured_peak(dtype: str, device: torch.device, sizes: tuple[int, ...] | None = None,
                   repeats: int = 5) -> float:
-    """Best over sizes of the median FLOP/s of `repeats` square matmuls (train.perf does one
+    """Best over sizes of the median FLOP/s of `repeats` square matmuls (qkvlab.perf does one
     size; the max over sizes is the peak this machine can actually reach)."""
     return max(measure_matmul_peak(dtype, device, size=n, repeats=repeats)
                for n in (sizes or default_sizes(device)))

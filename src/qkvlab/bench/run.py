@@ -14,7 +14,6 @@ Method, in the order it runs:
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import json
@@ -32,12 +31,11 @@ from qkvlab.bench import report
 from qkvlab.bench.peak import Peak, resolve_peak
 from qkvlab.bench.timing import Spread, interleaved, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
-from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.variants import derive
 from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
-from qkvlab.train.perf import freed_memory_kept, keep_freed_memory, mfu
+from qkvlab.model.variants import derive
+from qkvlab.perf import freed_memory_kept, keep_freed_memory, mfu
 
 
 @dataclass(frozen=True)
@@ -60,7 +58,7 @@ SHAPES: dict[str, Shape] = {
     # nanoGPT's shakespeare-char model; 64 rows is nanoGPT's batch there, 12 keeps CPU steps short
     "baby": Shape(dict(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65),
                   12, 64, (64, 128, 256), 16, 512),
-    # GPT-2 small as in PAPER.md section 5 (micro-batch 12 there)
+    # GPT-2 small as in docs/paper.md section 5 (micro-batch 12 there)
     "paper": Shape(dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
                    4, 12, (128, 512, 1024), 16, 512),
 }
@@ -71,7 +69,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def scheme_config(base: ModelConfig, scheme: str) -> ModelConfig:
     """The model of one benchmark variant, derived from the shape's (baseline) config by the
-    paper's rules (`qkvlab.experiments.variants`): q-identity-wide gives the MLP the d^2 per
+    paper's rules (`qkvlab.model.variants`): q-identity-wide gives the MLP the d^2 per
     layer that W_Q held (4d -> 4.5d, the paper's 3456 at d = 768)."""
     if scheme not in SCHEMES:
         raise QkvlabError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
@@ -144,67 +142,76 @@ def _csv_ints(text: str, what: str) -> tuple[int, ...]:
     return values
 
 
-def resolve_settings(args: argparse.Namespace) -> Settings:
-    """Defaults from the shape and the device, checked so that errors come before any work."""
-    if args.shape not in SHAPES:
-        raise QkvlabError(f"unknown shape {args.shape!r}; choose from {', '.join(SHAPES)}")
-    shape = SHAPES[args.shape]
-    overrides = parse_overrides(getattr(args, "overrides", []) or [])
-    model = ModelConfig.from_dict({**shape.model, **overrides}, where="bench --set")
+def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity",
+                     overrides: list[str] | None = None, dtype: str = "bf16",
+                     device: str = "auto", compile: bool | None = None,
+                     batch_size: int | None = None, repeats: int = 5, steps: int = 3,
+                     warmup: int = 2, inference: bool = True, infer_batch_size: int = 1,
+                     contexts: str | None = None, decode_tokens: int | None = None,
+                     gen_tokens: int | None = None, gen_repeats: int = 1,
+                     peak_tflops: float | None = None,
+                     keep_freed_memory: bool = True) -> Settings:
+    """Defaults from the shape and the device, checked so that errors come before any work.
 
-    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    unknown = [s for s in schemes if s not in SCHEMES]
-    if unknown or not schemes:
+    None means "the shape's (or the device's) default"; `schemes` and `contexts` are
+    comma-separated, `overrides` are `--set` items and the error messages name the options of
+    `qkvlab bench`.
+    """
+    if shape not in SHAPES:
+        raise QkvlabError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+    spec = SHAPES[shape]
+    parsed = parse_overrides(overrides or [])
+    model = ModelConfig.from_dict({**spec.model, **parsed}, where="bench --set")
+
+    names = [s.strip() for s in schemes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown or not names:
         raise QkvlabError(f"unknown scheme(s) {', '.join(unknown) or '(none)'}; "
                           f"choose from {', '.join(SCHEMES)}")
-    if len(set(schemes)) != len(schemes):
-        raise QkvlabError(f"--schemes lists a scheme twice: {args.schemes}")
-    for s in schemes:  # config errors (e.g. nonlinear-q with an odd width) now, not mid-run
+    if len(set(names)) != len(names):
+        raise QkvlabError(f"--schemes lists a scheme twice: {schemes}")
+    for s in names:  # config errors (e.g. nonlinear-q with an odd width) now, not mid-run
         scheme_config(model, s)
 
-    if args.dtype not in DTYPES:
-        raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
-    wanted = getattr(args, "device", None) or "auto"
+    if dtype not in DTYPES:
+        raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    wanted = device or "auto"
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     if wanted.startswith("cuda") and not torch.cuda.is_available():
         raise QkvlabError("--device cuda, but torch sees no CUDA device")
-    device = torch.device(wanted)
-    compile_ = device.type == "cuda" if args.compile is None else bool(args.compile)
+    dev = torch.device(wanted)
+    compile_ = dev.type == "cuda" if compile is None else bool(compile)
 
-    def given(name: str, default: Any) -> Any:  # None means "not given": 0 must stay 0
-        value = getattr(args, name, None)
-        return default if value is None else value
-
-    batch = given("batch_size", shape.batch_size_cuda if device.type == "cuda"
-                  else shape.batch_size)
+    # None means "not given": 0 must stay 0
+    batch = batch_size if batch_size is not None else (
+        spec.batch_size_cuda if dev.type == "cuda" else spec.batch_size)
     # a --set block_size below the shape's contexts keeps the ones that fit
-    contexts = (_csv_ints(args.contexts, "--contexts") if given("contexts", None)
-                else tuple(c for c in shape.contexts if c <= model.block_size)
-                or (model.block_size,))
-    decode_tokens = given("decode_tokens", shape.decode_tokens)
-    gen_tokens = given("gen_tokens", shape.gen_tokens)
-    for name, value in (("--batch-size", batch), ("--repeats", args.repeats),
-                        ("--steps", args.steps), ("--infer-batch-size", args.infer_batch_size),
-                        ("--gen-repeats", args.gen_repeats), ("--decode-tokens", decode_tokens)):
+    lengths = (_csv_ints(contexts, "--contexts") if contexts
+               else tuple(c for c in spec.contexts if c <= model.block_size)
+               or (model.block_size,))
+    decode = spec.decode_tokens if decode_tokens is None else decode_tokens
+    gen = spec.gen_tokens if gen_tokens is None else gen_tokens
+    for name, value in (("--batch-size", batch), ("--repeats", repeats),
+                        ("--steps", steps), ("--infer-batch-size", infer_batch_size),
+                        ("--gen-repeats", gen_repeats), ("--decode-tokens", decode)):
         if value <= 0:
             raise QkvlabError(f"{name} must be positive, got {value}")
-    if args.warmup < 0 or gen_tokens < 0:
+    if warmup < 0 or gen < 0:
         raise QkvlabError("--warmup and --gen-tokens must not be negative")
-    if max(contexts) > model.block_size:
-        raise QkvlabError(f"--contexts {max(contexts)} exceeds block_size {model.block_size}")
-    if decode_tokens >= min(contexts):
-        raise QkvlabError(f"--decode-tokens ({decode_tokens}) must be below the shortest "
-                          f"context ({min(contexts)}): decoding ends at each context length")
-    peak = getattr(args, "peak_tflops", None)
+    if max(lengths) > model.block_size:
+        raise QkvlabError(f"--contexts {max(lengths)} exceeds block_size {model.block_size}")
+    if decode >= min(lengths):
+        raise QkvlabError(f"--decode-tokens ({decode}) must be below the shortest "
+                          f"context ({min(lengths)}): decoding ends at each context length")
     return Settings(
-        shape=args.shape, model=model, schemes=schemes, device=device, dtype_name=args.dtype,
-        compile=compile_, batch_size=batch, repeats=args.repeats, steps=args.steps,
-        warmup=args.warmup, inference=not args.no_inference,
-        infer_batch_size=args.infer_batch_size, contexts=contexts,
-        decode_tokens=decode_tokens, gen_tokens=gen_tokens, gen_repeats=args.gen_repeats,
-        peak_flops=peak * 1e12 if peak else None, peak_sizes=shape.peak_sizes,
-        overrides=overrides, keep_freed_memory=getattr(args, "keep_freed_memory", True),
+        shape=shape, model=model, schemes=names, device=dev, dtype_name=dtype,
+        compile=compile_, batch_size=batch, repeats=repeats, steps=steps,
+        warmup=warmup, inference=inference,
+        infer_batch_size=infer_batch_size, contexts=lengths,
+        decode_tokens=decode, gen_tokens=gen, gen_repeats=gen_repeats,
+        peak_flops=peak_tflops * 1e12 if peak_tflops else None, peak_sizes=spec.peak_sizes,
+        overrides=parsed, keep_freed_memory=keep_freed_memory,
     )
 
 
@@ -407,17 +414,10 @@ def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
     return results
 
 
-def bench_command(args: argparse.Namespace) -> int:
-    settings = resolve_settings(args)
-    console = table_console()  # wide tables stay one line per row in logs too
-    results = run_bench(settings, console)
-    report.print_report(results, console)
-    if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
-        console.print(f"wrote {path}")
-    return 0
+def save_results(results: dict[str, Any], path: Path) -> None:
+    """Write `run_bench`'s results as JSON (devices, dtypes and dataclasses as plain values)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
 
 
 def _json_default(obj: Any) -> Any:

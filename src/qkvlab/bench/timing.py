@@ -59,11 +59,6 @@ class Spread:
             raise ValueError("a spread needs at least one value")
         return cls(statistics.median(values), min(values), max(values), tuple(values))
 
-    @property
-    def rel_range(self) -> float:
-        """(max - min) / median: how noisy the repeats were (0 means perfectly steady)."""
-        return (self.high - self.low) / self.median if self.median else 0.0
-
     def as_dict(self) -> dict[str, object]:
         return {"median": self.median, "min": self.low, "max": self.high,
                 "values": list(self.values)}

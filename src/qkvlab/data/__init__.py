@@ -1,9 +1,9 @@
-"""Data layer: corpora, tokenizers, `qkvlab prepare` and deterministic batching."""
+"""Data layer: corpora, tokenizers, preparing token files, deterministic batching."""
 
 from qkvlab.data.cache import cache_dir, fetch_from_wheel, fetch_url
 from qkvlab.data.corpus import read_source, shakespeare_path
 from qkvlab.data.loader import TokenData
-from qkvlab.data.prepare import default_data_dir, prepare, prepare_command, token_dtype
+from qkvlab.data.prepare import default_data_dir, prepare, token_dtype
 from qkvlab.data.tokenizer import Tokenizer, build_tokenizer, load_tokenizer
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "fetch_url",
     "load_tokenizer",
     "prepare",
-    "prepare_command",
     "read_source",
     "shakespeare_path",
     "token_dtype",

@@ -8,7 +8,6 @@ complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -328,19 +327,6 @@ class _BatchEncoder:
         return {"ids": ids, "len": [len(row) for row in ids]}
 
 
-def dataset_chunks(dataset: Any, max_shards: int = MAX_SHARDS) -> Iterator[np.ndarray]:
-    """Yield the concatenated "ids" of contiguous shards of a datasets-like object.
-
-    Needs only len(), .shard(num_shards=, index=, contiguous=True) and ["ids"] on a shard, so a
-    small stand-in can exercise it without the `datasets` library.
-    """
-    n_shards = max(1, min(max_shards, len(dataset)))
-    for index in range(n_shards):
-        ids = shard_ids(dataset, n_shards, index)
-        if ids.size:
-            yield ids
-
-
 def shard_ids(dataset: Any, n_shards: int, index: int) -> np.ndarray:
     """The concatenated "ids" (int64) of contiguous shard `index` of `n_shards`."""
     shard = dataset.shard(num_shards=n_shards, index=index, contiguous=True)
@@ -494,50 +480,3 @@ def _prepare_hf(
     for name in parts:  # meta.json now vouches for the files: the progress notes are done
         (out_dir / f".{name}.bin.progress.json").unlink(missing_ok=True)
     return meta
-
-
-def add_prepare_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `qkvlab prepare` arguments that `prepare_command` reads."""
-    parser.add_argument(
-        "source",
-        nargs="?",
-        default="shakespeare",
-        help="shakespeare, a text file, a folder of .txt/.md, a .jsonl file, or hf:NAME",
-    )
-    parser.add_argument("--tokenizer", default="char", help="char, bytes, gpt2 or bpe:N")
-    parser.add_argument("--out", type=Path, default=None, help="output dir (default data/...)")
-    parser.add_argument(
-        "--val-fraction",
-        type=float,
-        default=None,
-        help=f"share held out for validation (default {DEFAULT_VAL_FRACTION}; "
-        f"{HF_VAL_FRACTION} for Hugging Face datasets)",
-    )
-    parser.add_argument("--num-proc", type=int, default=1, help="tokenizer processes (hf only)")
-    parser.add_argument("--text-field", default="text", help="text field of .jsonl / hf rows")
-    parser.add_argument("--force", action="store_true", help="overwrite a dir with other settings")
-
-
-def prepare_command(args: argparse.Namespace) -> int:
-    """Run `qkvlab prepare` from parsed arguments and print a short summary; returns 0."""
-    source = getattr(args, "source", None) or "shakespeare"
-    tokenizer = getattr(args, "tokenizer", None) or "char"
-    out = getattr(args, "out", None)
-    out_dir = Path(out) if out is not None else default_data_dir(source, tokenizer)
-    meta = prepare(
-        source,
-        tokenizer,
-        out_dir,
-        val_fraction=getattr(args, "val_fraction", None),
-        # `or 1` would turn an explicit --num-proc 0 into 1 instead of refusing it
-        num_proc=1 if getattr(args, "num_proc", None) is None else args.num_proc,
-        overwrite=bool(getattr(args, "force", False)),
-        text_field=getattr(args, "text_field", None) or "text",
-        log=print,
-    )
-    print(
-        f"prepared {source} with {meta['tokenizer']}: {meta['train_tokens']:,} train + "
-        f"{meta['val_tokens']:,} val tokens ({meta['dtype']}, vocab {meta['vocab_size']:,}) "
-        f"in {out_dir}"
-    )
-    return 0

@@ -8,16 +8,16 @@ from the copy, and `qkvlab sweep DEST` sees its finished runs as done.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from pathlib import Path
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.report import WINDOW_FILE
-from qkvlab.experiments.sweep import FAILED_FILE, REUSED_FILE, SUMMARY_FILE, SWEEP_FILE
+from qkvlab.experiments.runs import WINDOW_FILE
+from qkvlab.experiments.sweep import SWEEP_FILE
+from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 
 SWEEP_RECORDS = (SWEEP_FILE, "spec.toml")
-RUN_RECORDS = ("config.toml", "metrics.jsonl", SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
+RUN_RECORDS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
                REUSED_FILE)
 
 
@@ -28,7 +28,7 @@ def archive_sweep(src: Path, dest: Path) -> int:
                           "`qkvlab sweep` wrote")
     if dest.resolve() == src.resolve():
         raise QkvlabError("the archive must go to another folder than the sweep itself")
-    runs = sorted(p.parent for p in src.glob("*/seed-*/config.toml"))  # every run has one
+    runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
     for name in SWEEP_RECORDS:
         if (src / name).is_file():
             dest.mkdir(parents=True, exist_ok=True)
@@ -40,10 +40,3 @@ def archive_sweep(src: Path, dest: Path) -> int:
             if (run / name).is_file():
                 shutil.copy2(run / name, target / name)
     return len(runs)
-
-
-def archive_command(args: argparse.Namespace) -> int:
-    src, dest = Path(args.sweep_dir), Path(args.dest)
-    n = archive_sweep(src, dest)
-    print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)")
-    return 0

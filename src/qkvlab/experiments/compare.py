@@ -1,23 +1,23 @@
 """`qkvlab compare`: the paper's comparison at laptop scale, end to end.
 
-Trains baseline, W_Q = I and W_Q = I with the wider MLP (same data, same seed, same fixed
-validation windows), then prints a table and writes a plot of the validation curves. Finished
-runs are reused and interrupted ones resumed, so the command can be re-run after a kill.
+The command (qkvlab.commands.compare) trains baseline, W_Q = I and W_Q = I with the wider MLP
+(same data, same seed, same fixed validation windows); this module summarises their runs into a
+table and plots the validation curves. Finished runs are reused and interrupted ones resumed, so
+the command can be re-run after a kill.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from pathlib import Path
 
 from rich.table import Table
 
-from qkvlab.console import table_console
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.variants import compare_variants
+from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.model.params import count_params
-from qkvlab.train.trainer import read_metrics
+from qkvlab.run.layout import CONFIG_FILE
+from qkvlab.run.metrics import read_metrics
+from qkvlab.train.config import load_config
 
 PRESETS = {"quick": "compare-quick", "long": "compare-long"}
 
@@ -25,13 +25,6 @@ PRESETS = {"quick": "compare-quick", "long": "compare-long"}
 def val_curve(records: list[dict]) -> tuple[list[int], list[float]]:
     points = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     return [s for s, _ in points], [v for _, v in points]
-
-
-def median_tokens_per_s(records: list[dict]) -> float | None:
-    # the first logged steps include warm-up (allocation, first-touch): skip a quarter
-    values = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
-    values = sorted(values[len(values) // 4:])
-    return values[len(values) // 2] if values else None
 
 
 def summarize(out: Path, names: list[str]) -> list[dict]:
@@ -42,9 +35,7 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
         steps, vals = val_curve(records)
         if not vals:
             raise QkvlabError(f"run {run_dir} has no validation losses; re-run qkvlab compare")
-        from qkvlab.train.config import load_config
-
-        cfg = load_config(str(run_dir / "config.toml"), [])
+        cfg = load_config(str(run_dir / CONFIG_FILE), [])
         counts = count_params(cfg.model)
         rows.append({
             "variant": name,
@@ -94,6 +85,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def plot_curves(out: Path, names: list[str], path: Path) -> None:
+    # matplotlib takes ~0.7 s to import (measured): only a plot pays for it
     import matplotlib
 
     matplotlib.use("Agg")
@@ -119,43 +111,3 @@ def plot_curves(out: Path, names: list[str], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def compare_command(args) -> int:
-    from qkvlab.train.config import load_config
-    from qkvlab.train.trainer import train
-
-    if args.preset not in PRESETS:
-        raise QkvlabError(f"unknown preset {args.preset!r}; choose one of {', '.join(PRESETS)}")
-    overrides = list(args.overrides)
-    if args.steps is not None:
-        overrides.append(f"train.max_steps={args.steps}")
-    if args.seed is not None:
-        overrides.append(f"train.seed={args.seed}")
-    base = load_config(PRESETS[args.preset], overrides)
-    out = Path(args.out)
-    variants = compare_variants(base.model)
-    console = table_console()
-    for v in variants:
-        run_dir = out / v.name
-        if (run_dir / "summary.json").exists() and not args.fresh:
-            console.print(f"[bold]{v.name}[/]: finished earlier in {run_dir}, reusing it")
-            continue
-        if args.fresh and run_dir.exists():
-            import shutil
-
-            shutil.rmtree(run_dir)
-        cfg = dataclasses.replace(
-            base, model=v.model, optim=dataclasses.replace(base.optim, weight_decay=v.weight_decay),
-            out_dir=str(run_dir), name=v.name)
-        console.print(f"[bold]{v.name}[/]: {v.description}, weight decay {v.weight_decay:g}")
-        train(cfg, resume=True)
-    names = [v.name for v in variants]
-    rows = summarize(out, names)
-    console.print(render_table(rows))
-    plot = out / "compare.png"
-    plot_curves(out, names, plot)
-    (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "compare.md").write_text(markdown_table(rows) + "\n")
-    console.print(f"table: {out / 'compare.md'}  plot: {plot}")
-    return 0

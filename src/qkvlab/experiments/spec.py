@@ -13,7 +13,7 @@ A spec is a TOML file (data only: nothing is executed) with one [spec] table and
     [[variant]]
     name = "baseline"
     baseline = true                    # exactly one: the reference of the paired differences
-    rule = "baseline"                  # a named derivation of qkvlab.experiments.variants
+    rule = "baseline"                  # a named derivation of qkvlab.model.variants
 
     [[variant]]
     name = "q-identity"
@@ -26,7 +26,7 @@ its grid point, then its own `set` overrides. Anything else is refused with the 
 
 One (variant, grid point) is a *group*; a group times a seed is a *run*, trained in
 <out>/<group>/seed-<seed>/. A group's fingerprint is the sha256 of its resolved config without
-the keys that do not change the trajectory (trainer.RESUME_HARMLESS, the seed and the paths):
+the keys that do not change the trajectory (config.RESUME_HARMLESS, the seed and the paths):
 the sweep records them and refuses a folder whose groups were made by a different spec.
 """
 
@@ -43,9 +43,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.variants import RULES, derive
-from qkvlab.train.config import RunConfig, apply_overrides, load_config
+from qkvlab.model.variants import RULES, derive
+from qkvlab.train.config import RESUME_HARMLESS, RunConfig, apply_overrides, load_config
 
 SPEC_KEYS: tuple[str, ...] = ("name", "description", "base", "set", "seeds", "out")
 VARIANT_META: tuple[str, ...] = ("name", "description", "baseline", "rule", "family", "grid",
@@ -68,7 +70,7 @@ MAX_GRID_POINTS = 10_000  # per variant: beyond this a spec is a mistake, not an
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # safe as a folder name
 SPECS_PACKAGE = "qkvlab.experiments"
 SPECS_DIR = "specs"
-# Keys that never enter a fingerprint besides trainer.RESUME_HARMLESS: what differs per seed
+# Keys that never enter a fingerprint besides config.RESUME_HARMLESS: what differs per seed
 # or per folder.
 _PER_RUN_KEYS = frozenset({"train.seed", "run.name", "run.out_dir"})
 
@@ -228,8 +230,6 @@ class Spec:
     def to_toml(self) -> str:
         """The spec as TOML data, with a relative base file made absolute (for the copy a sweep
         keeps in its folder, which must work from there)."""
-        import tomli_w
-
         head: dict[str, Any] = {"name": self.name}
         if self.description:
             head["description"] = self.description
@@ -292,8 +292,6 @@ def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where
 
 def config_identity(cfg: RunConfig) -> dict[str, Any]:
     """The config keys that decide the training trajectory of a group (not seed or paths)."""
-    from qkvlab.train.trainer import RESUME_HARMLESS
-
     skip = RESUME_HARMLESS | _PER_RUN_KEYS
     identity = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in skip}
                 for section, table in cfg.to_dict().items() if section != "run"}

@@ -1,4 +1,4 @@
-"""The statistics of the experiment report: means over seeds and paired t-tests.
+"""The statistics of the experiment report: means over seeds, paired t-tests, run speed.
 
 Why paired: every run of a sweep is scored on the same fixed validation windows, and runs that
 share a seed share their batch order, so the difference variant - baseline at the same seed
@@ -96,3 +96,11 @@ def relative(value: float | None, reference: float | None) -> float | None:
     if value is None or reference is None or reference == 0:
         return None
     return 100.0 * value / reference
+
+
+def median_tokens_per_s(records: Sequence[dict[str, Any]]) -> float | None:
+    """Median logged training speed of a run's metrics records, skipping the first quarter
+    (allocation, first-touch and warm-up make the early steps slow)."""
+    values = [r["tokens_per_s"] for r in records if r.get("tokens_per_s")]
+    values = sorted(values[len(values) // 4:])
+    return values[len(values) // 2] if values else None

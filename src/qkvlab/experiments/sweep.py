@@ -1,5 +1,8 @@
 """`qkvlab sweep SPEC`: train a spec's grid of variants x seeds, one folder per run.
 
+This module is the machinery; the command's steps and options are in
+qkvlab.commands.sweep.
+
 The sweep is a loop over `train(cfg, resume=True)`, seed-major (seed 1 of every variant first,
 so a partial sweep is already a complete comparison at one seed). Everything that can be
 checked is checked before the first step: the spec, every variant's config, the data (prepared
@@ -27,23 +30,26 @@ two-threaded run (docs/experiments.md).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime as dt
 import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
-from qkvlab.console import LOG_WIDTH
+from qkvlab import __version__
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.spec import (
     SPEC_COPY,
@@ -52,16 +58,22 @@ from qkvlab.experiments.spec import (
     Spec,
     config_identity,
     identity_diff,
-    load_spec,
-    spec_names,
-    spec_summary,
 )
+from qkvlab.fsutil import write_text_atomic
+from qkvlab.model.params import count_params, flops_per_token
+from qkvlab.run.layout import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    REUSED_FILE,
+    SUMMARY_FILE,
+    ckpt_step,
+    list_checkpoints,
+)
+from qkvlab.run.load import open_data
+from qkvlab.train import objectives
+from qkvlab.train.config import EMBEDDED_SOURCE, load_config, save_config
 
 SWEEP_FILE = "sweep.json"
-FAILED_FILE = "failed.json"
-SUMMARY_FILE = "summary.json"
-CONFIG_FILE = "config.toml"
-REUSED_FILE = "reused.json"  # in a run copied from another sweep by --reuse: from where
 LOG_FILE = "train.log"  # a run's output under --jobs N > 1
 MAX_RUNS_WITHOUT_YES = 100  # more runs than this to launch needs --yes
 MAX_SESSIONS = 100  # sessions kept in sweep.json
@@ -93,8 +105,6 @@ def is_finished(summary: dict[str, Any] | None, max_steps: int) -> bool:
 
 
 def run_state(run: Run) -> RunState:
-    from qkvlab.train.checkpoint import ckpt_step, list_checkpoints
-
     run_dir = run.run_dir
     summary = read_json_record(run_dir / SUMMARY_FILE)
     max_steps = run.config.train.max_steps
@@ -113,10 +123,6 @@ def run_state(run: Run) -> RunState:
 # ---- machine and command records ----------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """What a result depends on: CPU, accelerators, library versions (no host names)."""
-    import torch
-
-    from qkvlab import __version__
-
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
@@ -142,28 +148,6 @@ def machine_info() -> dict[str, Any]:
 
 def now_iso() -> str:
     return dt.datetime.now(dt.UTC).replace(microsecond=0).isoformat()
-
-
-def _join(parts: list[str]) -> str:
-    return " ".join(shlex.quote(p) for p in parts)
-
-
-def sweep_command_line(args: argparse.Namespace, out: Path) -> str:
-    """The canonical command line of this invocation (for the record and the report)."""
-    parts = ["qkvlab", "sweep", str(args.spec), "--out", str(out)]
-    for name in getattr(args, "only", None) or []:
-        parts += ["--only", name]
-    if getattr(args, "seeds", None):
-        parts += ["--seeds", args.seeds]
-    for item in getattr(args, "overrides", None) or []:
-        parts += ["--set", item]
-    if getattr(args, "launcher", None):
-        parts += ["--launcher", args.launcher]
-    for src in getattr(args, "reuse", None) or []:
-        parts += ["--reuse", src]
-    if (getattr(args, "jobs", None) or 1) > 1:
-        parts += ["--jobs", str(args.jobs)]
-    return _join(parts)
 
 
 # ---- checks before anything is trained -----------------------------------------------------
@@ -204,8 +188,6 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
 
 
 def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
-    from qkvlab.fsutil import write_text_atomic
-
     out.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out / SPEC_COPY, f"# spec {spec.name}, as resolved by qkvlab sweep from "
                                        f"{spec.source}\n" + spec.to_toml())
@@ -214,8 +196,6 @@ def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
 
 def check_run_dirs(runs: list[Run]) -> None:
     """A run folder that exists must hold this run: same trajectory-deciding config, same seed."""
-    from qkvlab.train.config import load_config
-
     for run in runs:
         path = run.run_dir / CONFIG_FILE
         if not path.is_file():
@@ -251,9 +231,6 @@ def preflight_data(runs: list[Run], prepare: bool, say) -> list[str]:
     Returns notes for the dry run (what would be prepared). Refusals are QkvlabErrors naming
     the `qkvlab prepare` command, raised before any run starts.
     """
-    from qkvlab.train import objectives
-    from qkvlab.train.config import EMBEDDED_SOURCE
-
     notes: list[str] = []
     checked: dict[str, tuple[int, str] | None] = {}
     for run in runs:
@@ -271,8 +248,6 @@ def preflight_data(runs: list[Run], prepare: bool, say) -> list[str]:
                     checked[dc.dir] = None
                     continue
                 if prepare:
-                    from qkvlab.train.trainer import open_data
-
                     open_data(dc, say)
                     found = _data_vocab(data_dir)
                 else:
@@ -296,13 +271,6 @@ def preflight_data(runs: list[Run], prepare: bool, say) -> list[str]:
 
 
 # ---- tables --------------------------------------------------------------------------------
-def _console(stderr: bool) -> Console:
-    console = Console(stderr=stderr)
-    if not console.is_terminal:
-        console.width = LOG_WIDTH
-    return console
-
-
 def _cell(state: RunState, max_steps: int) -> str:
     if state.status == "done":
         loss = state.final_val_loss
@@ -334,7 +302,7 @@ def progress_table(spec: Spec, runs: list[Run], states: dict[Path, RunState],
     return table
 
 
-def _speed(runs: list[Run], states: dict[Path, RunState]) -> float | None:
+def finished_speed(runs: list[Run], states: dict[Path, RunState]) -> float | None:
     """FLOP/s the finished runs of this sweep achieved (median), for time estimates."""
     rates = []
     for r in runs:
@@ -347,8 +315,6 @@ def _speed(runs: list[Run], states: dict[Path, RunState]) -> float | None:
 
 
 def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Table:
-    from qkvlab.model.params import count_params, flops_per_token
-
     table = Table(title=f"spec {spec.name}: {len(runs)} runs "
                         f"({len({r.group.name for r in runs})} variants x "
                         f"{len({r.seed for r in runs})} seeds)")
@@ -381,8 +347,6 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
 
 def remaining_work(runs: list[Run], states: dict[Path, RunState]) -> tuple[int, float]:
     """(tokens, FLOPs) still to train over the runs that are not done."""
-    from qkvlab.model.params import flops_per_token
-
     tokens, flops = 0, 0.0
     for r in runs:
         st = states[r.run_dir]
@@ -394,33 +358,7 @@ def remaining_work(runs: list[Run], states: dict[Path, RunState]) -> tuple[int, 
     return tokens, flops
 
 
-# ---- the command ---------------------------------------------------------------------------
-def _parse_seeds(text: str | None) -> list[int] | None:
-    if not text:
-        return None
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise QkvlabError(f"--seeds {text!r}: give comma-separated integers, e.g. 1,2,3") from None
-    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise QkvlabError(f"--seeds {text!r}: give distinct integers >= 0, e.g. 1,2,3")
-    return seeds
-
-
-def _parse_only(items: list[str] | None) -> list[str] | None:
-    names = [n.strip() for item in items or [] for n in item.split(",") if n.strip()]
-    return names or None
-
-
-def list_specs() -> int:
-    names = spec_names()
-    width = max(len(n) for n in names)
-    print("shipped specs (qkvlab sweep NAME --dry-run shows the runs):")
-    for name in names:
-        print(f"  {name:<{width}}  {spec_summary(name)}")
-    return 0
-
-
+# ---- starting runs -------------------------------------------------------------------------
 def train_command_for(run: Run, launcher: str | None) -> list[str]:
     """The self-contained command that trains (or resumes) one run from its folder."""
     tail = ["train", str(run.run_dir.resolve()), "--resume"]
@@ -431,8 +369,6 @@ def train_command_for(run: Run, launcher: str | None) -> list[str]:
 
 def materialize(run: Run) -> None:
     """Write the run's config.toml, so `qkvlab train RUN_DIR --resume` can start it."""
-    from qkvlab.train.config import save_config
-
     run.run_dir.mkdir(parents=True, exist_ok=True)
     save_config(dataclasses.replace(run.config, out_dir=str(run.run_dir)),
                 run.run_dir / CONFIG_FILE)
@@ -446,8 +382,6 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
     keyed by this run's folder."""
     if not sources:
         return {}
-    from qkvlab.train.config import load_config
-
     def key(cfg: Any, seed: int) -> str:
         return json.dumps([config_identity(cfg), seed], sort_keys=True)
 
@@ -473,10 +407,6 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
 def copy_finished_run(run: Run, src: Path) -> None:
     """Copy a finished run into this sweep (checkpoints too, so --per-window can score it), under
     this run's name and folder; `reused.json` says where it came from."""
-    import shutil
-
-    from qkvlab.fsutil import write_text_atomic
-
     tmp = run.run_dir.with_name(f".{run.run_dir.name}.copying")  # not a seed-* folder
     shutil.rmtree(tmp, ignore_errors=True)  # a copy cut short earlier
     shutil.copytree(src, tmp)
@@ -519,9 +449,6 @@ def run_parallel(todo: list[Run], jobs: int, console: Console) -> tuple[bool, li
 def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jobs: int,
            threads: str, console: Console) -> bool:
     """run_parallel's loop: start runs while slots are free, collect the ones that end."""
-    import sys
-    import time
-
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     stopped = False
     while queue or running:
@@ -545,7 +472,7 @@ def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jo
             if rc in (130, 143, -2, -15):  # a signal stopped it: stop the sweep too
                 stopped = True
             elif rc != 0:
-                _record_failure(run, f"exited with status {rc}; see {run.run_dir / LOG_FILE}")
+                record_failure(run, f"exited with status {rc}; see {run.run_dir / LOG_FILE}")
                 failures.append(run)
                 console.print(f"[red]{run.label} failed[/] (status {rc}): "
                               f"{run.run_dir / LOG_FILE}")
@@ -554,134 +481,8 @@ def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jo
     return stopped
 
 
-def _record_failure(run: Run, error: str) -> None:
-    from qkvlab.fsutil import write_text_atomic
-
+def record_failure(run: Run, error: str) -> None:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run.run_dir / FAILED_FILE, json.dumps({
         "error": error, "diverged": "diverged" in error, "time": now_iso(),
     }, indent=1) + "\n")
-
-
-def sweep_command(args: argparse.Namespace) -> int:
-    if not args.spec:
-        return list_specs()
-    jobs = getattr(args, "jobs", None)
-    jobs = 1 if jobs is None else jobs
-    if jobs < 1:
-        raise QkvlabError(f"--jobs {args.jobs}: give at least 1 run at a time")
-    spec = load_spec(args.spec)
-    out = Path(args.out) if args.out else spec.default_out
-    overrides = list(getattr(args, "overrides", None) or [])
-    groups = spec.groups(overrides)
-    runs = spec.runs(out, seeds=_parse_seeds(args.seeds), only=_parse_only(args.only),
-                     groups=groups)
-    console = _console(stderr=bool(args.print_commands))
-    record = check_sweep_dir(out, spec, groups)
-    check_run_dirs(runs)
-    states = {r.run_dir: run_state(r) for r in runs}
-    reusable = find_reusable(runs, states, getattr(args, "reuse", None) or [])
-    retry = bool(getattr(args, "retry_failed", False))
-    todo = [r for r in runs if states[r.run_dir].status in ("pending", "partial")
-            or (retry and states[r.run_dir].status == "failed")]
-
-    if args.dry_run:
-        notes = preflight_data(runs, prepare=False, say=console.print)
-        console.print(plan_table(spec, runs, states))
-        tokens, flops = remaining_work(runs, states)
-        done = sum(states[r.run_dir].status == "done" for r in runs)
-        failed = sum(states[r.run_dir].status == "failed" for r in runs)
-        console.print(f"{len(runs)} runs in {out}: {done} done, {failed} failed, {len(todo)} to "
-                      f"run ({tokens:,} tokens, {flops / 1e15:.3g} PFLOP left)")
-        speed = _speed(runs, states)
-        if speed and flops:
-            console.print(f"at the speed of the finished runs ({speed / 1e9:.3g} GFLOP/s): "
-                          f"about {flops / speed / 3600:.2g} hours")
-        for note in notes:
-            console.print(note)
-        if reusable:
-            console.print(f"{len(reusable)} of them would be copied from --reuse, not trained")
-        if len(todo) > MAX_RUNS_WITHOUT_YES:
-            console.print(f"running them needs --yes (more than {MAX_RUNS_WITHOUT_YES} runs)")
-        return 0
-
-    if len(todo) > MAX_RUNS_WITHOUT_YES and not args.yes:
-        raise QkvlabError(f"spec {spec.name} would launch {len(todo):,} runs (more than "
-                          f"{MAX_RUNS_WITHOUT_YES}): check them with --dry-run, narrow them with "
-                          "--only/--seeds, or pass --yes")
-    preflight_data(runs, prepare=True, say=console.print)
-    record.setdefault("sessions", []).append({
-        "command": sweep_command_line(args, out), "cwd": str(Path.cwd()), "started": now_iso(),
-        "mode": "print-commands" if args.print_commands else "run", "machine": machine_info(),
-    })
-    record["sessions"] = record["sessions"][-MAX_SESSIONS:]
-    write_sweep_record(out, record, spec)
-    for run in todo:
-        if run.run_dir in reusable:
-            copy_finished_run(run, reusable[run.run_dir])
-            states[run.run_dir] = run_state(run)
-            console.print(f"{run.label}: copied the finished run {reusable[run.run_dir]}")
-    todo = [r for r in todo if r.run_dir not in reusable]
-
-    if args.print_commands:
-        cwd = shlex.quote(str(Path.cwd()))
-        for run in todo:
-            materialize(run)
-            print(f"cd {cwd} && {_join(train_command_for(run, args.launcher))}")
-        console.print(f"{len(todo)} command(s) for spec {spec.name}; then: qkvlab report {out}")
-        return 0
-
-    console.print(progress_table(spec, runs, states, f"sweep {spec.name} in {out}: before"))
-    stopped, failures = False, []
-    if jobs > 1 and args.launcher:
-        raise QkvlabError("--jobs and --launcher do not go together: a launcher decides the "
-                          "processes itself; drop one of them")
-    if jobs > 1:
-        stopped, failures = run_parallel(todo, jobs, console)
-        todo = []
-    for i, run in enumerate(todo):
-        state = states[run.run_dir]
-        resume = f", resuming at step {state.step}" if state.status == "partial" else ""
-        what = run.group.description or run.group.variant
-        console.print(f"[bold][{i + 1}/{len(todo)}] {run.label}[/] ({what}{resume}) -> "
-                      f"{run.run_dir}")
-        (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
-        if args.launcher:
-            materialize(run)
-            rc = subprocess.run(train_command_for(run, args.launcher)).returncode
-            if rc in (130, -2):  # interrupted (SIGINT): stop the sweep, like a single run
-                stopped = True
-                break
-            if rc != 0:
-                _record_failure(run, f"{args.launcher} exited with status {rc}")
-                failures.append(run)
-                continue
-        else:
-            from qkvlab.train.trainer import train
-
-            try:
-                summary = train(run.config, resume=True)
-            except QkvlabError as exc:
-                _record_failure(run, str(exc))
-                failures.append(run)
-                console.print(f"[red]{run.label} failed[/]: {exc}")
-                continue
-            if summary.get("interrupted"):
-                stopped = True
-                break
-        states[run.run_dir] = run_state(run)
-
-    states = {r.run_dir: run_state(r) for r in runs}
-    console.print(progress_table(spec, runs, states, f"sweep {spec.name} in {out}: now"))
-    if stopped:
-        console.print(f"stopped; run the same command to resume: {sweep_command_line(args, out)}")
-        return 130
-    if failures:
-        console.print(f"{len(failures)} run(s) failed (failed.json in their folders); they are "
-                      "skipped on the next sweep unless you pass --retry-failed")
-        return 2
-    left = sum(states[r.run_dir].status != "done" for r in runs)
-    if left == 0:
-        console.print(f"all {len(runs)} runs done; report: qkvlab report {out}")
-    return 0
-

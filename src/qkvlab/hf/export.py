@@ -9,7 +9,6 @@ code; when transformers is installed the export is verified by comparing logits.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -22,9 +21,12 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from qkvlab.data.cache import fetch_file
+from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, TOKENIZER_FILES
 from qkvlab.errors import QkvlabError
 from qkvlab.hf.gpt2 import QKVLAB_KEY, to_gpt2
 from qkvlab.model.gpt import GPT
+from qkvlab.run.load import find_tokenizer_dir, load_model
 
 FORMATS = ("hf",)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,21 +49,8 @@ class TokenizerExport:
     note: str = ""
 
 
-def find_tokenizer_dir(ckpt: Any) -> Path | None:
-    """The folder with the run's tokenizer meta.json (the same search as `qkvlab sample`)."""
-    from qkvlab.train.trainer import TOKENIZER_DIR
-
-    for folder in (ckpt.run_dir / TOKENIZER_DIR, ckpt.path / TOKENIZER_DIR,
-                   Path(ckpt.config.data.dir)):
-        if (folder / "meta.json").is_file():
-            return folder
-    return None
-
-
 def tokenizer_export(ckpt: Any, block_size: int) -> TokenizerExport:
     """The Hugging Face tokenizer files of a checkpoint's tokenizer, where one exists."""
-    from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, TOKENIZER_FILES
-
     out = TokenizerExport()
     folder = find_tokenizer_dir(ckpt)
     if folder is None:
@@ -83,8 +72,6 @@ def tokenizer_export(ckpt: Any, block_size: int) -> TokenizerExport:
             out.qkvlab_files[name] = (folder / name).read_bytes()
     special = {"bos_token": ENDOFTEXT, "eos_token": ENDOFTEXT, "unk_token": ENDOFTEXT}
     if spec == "gpt2":
-        from qkvlab.data.cache import fetch_file
-
         try:
             out.files["vocab.json"] = fetch_file(GPT2_ENCODER).read_bytes()
             out.files["merges.txt"] = fetch_file(GPT2_VOCAB_BPE).read_bytes()
@@ -238,8 +225,6 @@ def scheme_note(model: GPT) -> str:
 def export_checkpoint(path: str | Path, out: str | Path, *, fmt: str = "hf",
                       dtype: str = "float32", verify: bool = True) -> ExportResult:
     """Export a qkvlab checkpoint (run or checkpoint folder) as a transformers GPT-2 folder."""
-    from qkvlab.train.checkpoint import load_model
-
     if fmt not in FORMATS:
         raise QkvlabError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
@@ -261,22 +246,3 @@ def export_checkpoint(path: str | Path, out: str | Path, *, fmt: str = "hf",
         diff = hf_logit_diff(model, out)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
     return ExportResult(out, files, tok.note, scheme_note(model), diff)
-
-
-def export_command(args: argparse.Namespace) -> int:
-    """Export, then print where, what was written, and the verified logit difference."""
-    result = export_checkpoint(args.path, args.out_dir, fmt=args.format, dtype=args.dtype,
-                               verify=not args.no_verify)
-    print(f"exported {args.path} -> {result.out} (transformers GPT2LMHeadModel, {args.dtype})")
-    print(f"  {result.scheme_note}")
-    print(f"  tokenizer: {result.tokenizer_note}")
-    print(f"  files: {', '.join(result.files)}")
-    if result.max_logit_diff is None:
-        why = "--no-verify" if args.no_verify else "transformers is not installed"
-        print(f"  not verified ({why}); load with "
-              f"AutoModelForCausalLM.from_pretrained({str(result.out)!r})")
-    else:
-        ok = result.max_logit_diff <= VERIFY_TOL or args.dtype != "float32"
-        print(f"  verified with transformers: max |logit diff| {result.max_logit_diff:.2e}"
-              f"{'' if ok else ' (LARGER than expected: please report)'}")
-    return 0

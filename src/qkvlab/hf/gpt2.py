@@ -52,6 +52,8 @@ def export_problem(cfg: ModelConfig) -> str | None:
         return f"{base} a bidirectional encoder (causal=false): its attention is causal"
     if cfg.norm != "layernorm":
         return f"{base} norm={cfg.norm}: it has LayerNorm only"
+    if cfg.mlp != "gelu":
+        return f"{base} mlp={cfg.mlp}: its MLP has two matrices and no gate"
     if cfg.positions == "rope":
         return f"{base} positions=rope: it has learned absolute positions only"
     if cfg.residual != "full":
@@ -264,70 +266,15 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
     inner = _need_int(config, "n_inner", default=4 * d)
     dk = d // H
     tied = bool(config.get("tie_word_embeddings", True))
-
-    sd: dict[str, torch.Tensor] = {}
-    for key, value in tensors.items():
-        if key.endswith(IGNORED_SUFFIXES):
-            continue
-        sd[key.removeprefix("transformer.")] = value.detach().to("cpu", torch.float32)
-    if any(t.dtype != torch.float32 for t in tensors.values()):
-        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
-        notes.append(f"weights stored as {', '.join(dtypes)}: upcast to float32")
-
-    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, d), "wpe.weight": (T, d),
-                                          "ln_f.weight": (d,), "ln_f.bias": (d,)}
-    for i in range(L):
-        h = f"h.{i}."
-        shapes.update({
-            h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
-            h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
-            h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
-            h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
-            h + "mlp.c_fc.weight": (d, inner), h + "mlp.c_fc.bias": (inner,),
-            h + "mlp.c_proj.weight": (inner, d), h + "mlp.c_proj.bias": (d,),
-        })
-    if not tied:
-        shapes["lm_head.weight"] = (V, d)
-    elif "lm_head.weight" in sd:
-        if not torch.equal(sd["lm_head.weight"], sd.get("wte.weight", sd["lm_head.weight"])):
-            notes.append("tie_word_embeddings=true: the stored lm_head.weight is ignored, the "
-                         "head is the token embedding (as transformers does)")
-        del sd["lm_head.weight"]
-    for key in ("wte.weight", "lm_head.weight"):
-        if key in sd and key in shapes and sd[key].dim() == 2 and sd[key].shape[0] != V:
-            raise QkvlabError(f"mismatched vocabularies: config.json says vocab_size={V} but "
-                              f"{_hf_name(key)} has {sd[key].shape[0]} rows")
-    missing = [k for k in shapes if k not in sd]
-    if missing:
-        raise QkvlabError(f"the weights lack {len(missing)} GPT-2 tensor(s) of config.json's "
-                          f"shape (e.g. {_hf_name(missing[0])}): the files do not match "
-                          "config.json, or this is not a GPT2LMHeadModel checkpoint")
-    unexpected = sorted(set(sd) - set(shapes))
-    if unexpected:
-        raise QkvlabError(f"the weights hold tensors GPT-2 does not have (e.g. "
-                          f"{_hf_name(unexpected[0])}): not a plain GPT2LMHeadModel checkpoint")
-    for key, shape in shapes.items():
-        if tuple(sd[key].shape) != shape:
-            raise QkvlabError(f"{_hf_name(key)} is {list(sd[key].shape)}, but config.json "
-                              f"implies {list(shape)}")
-    bad = [k for k, v in sd.items() if not bool(torch.isfinite(v).all())]
-    if bad:
-        raise QkvlabError(f"non-finite weights in {_hf_name(bad[0])}: nothing to import")
+    sd = _float32_weights(tensors, notes)
+    _check_weights(sd, _gpt2_shapes(d, L, V, T, inner, tied), V, tied, notes)
 
     # GPT-2's logit scale; identity detection below may move part of it into attn_scale.
     hf_scale = 1.0 / math.sqrt(dk) if config.get("scale_attn_weights", True) else 1.0
     qkv = [sd[f"h.{i}.attn.c_attn.weight"].split(d, dim=1) for i in range(L)]
     qkv_b = [sd[f"h.{i}.attn.c_attn.bias"].split(d) for i in range(L)]
-    projection, scale = "baseline", hf_scale
-    if detect:
-        for idx, name in ((0, "q-identity"), (1, "k-identity"), (2, "v-identity")):
-            c = _same([_scalar_identity(w[idx], b[idx]) for w, b in zip(qkv, qkv_b,
-                                                                        strict=True)])
-            if c is not None and (idx < 2 or c == 1.0):  # V's scale cannot move into s
-                projection, scale = name, hf_scale * c
-                notes.append(f"every layer's {'QKV'[idx]} block is {c:g} I: imported as "
-                             f"projection={name}")
-                break
+    projection, scale = _detect_identity(qkv, qkv_b, hf_scale, notes) if detect \
+        else ("baseline", hf_scale)
     biases = [k for k in sd if k.endswith(".bias")]
     bias = not detect or any(bool(sd[k].any()) for k in biases)
     positions = "learned"
@@ -353,15 +300,103 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
         cfg.attn_scale = float(f"{scale:.7g}")
         cfg.validate()
     model = GPT(cfg)
+    model.load_state_dict(_qkvlab_state(sd, qkv, qkv_b, cfg), strict=True)
+    model.eval()
+    return model, notes
+
+
+def _float32_weights(tensors: dict[str, torch.Tensor], notes: list[str]
+                     ) -> dict[str, torch.Tensor]:
+    """The weights by GPT2Model name (no "transformer." prefix, no mask buffers), in float32."""
+    sd: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key.endswith(IGNORED_SUFFIXES):
+            continue
+        sd[key.removeprefix("transformer.")] = value.detach().to("cpu", torch.float32)
+    if any(t.dtype != torch.float32 for t in tensors.values()):
+        dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+        notes.append(f"weights stored as {', '.join(dtypes)}: upcast to float32")
+    return sd
+
+
+def _gpt2_shapes(d: int, L: int, V: int, T: int, inner: int, tied: bool
+                 ) -> dict[str, tuple[int, ...]]:
+    """Every tensor a GPT2LMHeadModel of these sizes stores, with its shape."""
+    shapes: dict[str, tuple[int, ...]] = {"wte.weight": (V, d), "wpe.weight": (T, d),
+                                          "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(L):
+        h = f"h.{i}."
+        shapes.update({
+            h + "ln_1.weight": (d,), h + "ln_1.bias": (d,),
+            h + "attn.c_attn.weight": (d, 3 * d), h + "attn.c_attn.bias": (3 * d,),
+            h + "attn.c_proj.weight": (d, d), h + "attn.c_proj.bias": (d,),
+            h + "ln_2.weight": (d,), h + "ln_2.bias": (d,),
+            h + "mlp.c_fc.weight": (d, inner), h + "mlp.c_fc.bias": (inner,),
+            h + "mlp.c_proj.weight": (inner, d), h + "mlp.c_proj.bias": (d,),
+        })
+    if not tied:
+        shapes["lm_head.weight"] = (V, d)
+    return shapes
+
+
+def _check_weights(sd: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], V: int,
+                   tied: bool, notes: list[str]) -> None:
+    """Refuse weights that are not exactly `shapes`, or not finite; drop a tied head's copy."""
+    if tied and "lm_head.weight" in sd:
+        if not torch.equal(sd["lm_head.weight"], sd.get("wte.weight", sd["lm_head.weight"])):
+            notes.append("tie_word_embeddings=true: the stored lm_head.weight is ignored, the "
+                         "head is the token embedding (as transformers does)")
+        del sd["lm_head.weight"]
+    for key in ("wte.weight", "lm_head.weight"):
+        if key in sd and key in shapes and sd[key].dim() == 2 and sd[key].shape[0] != V:
+            raise QkvlabError(f"mismatched vocabularies: config.json says vocab_size={V} but "
+                              f"{_hf_name(key)} has {sd[key].shape[0]} rows")
+    missing = [k for k in shapes if k not in sd]
+    if missing:
+        raise QkvlabError(f"the weights lack {len(missing)} GPT-2 tensor(s) of config.json's "
+                          f"shape (e.g. {_hf_name(missing[0])}): the files do not match "
+                          "config.json, or this is not a GPT2LMHeadModel checkpoint")
+    unexpected = sorted(set(sd) - set(shapes))
+    if unexpected:
+        raise QkvlabError(f"the weights hold tensors GPT-2 does not have (e.g. "
+                          f"{_hf_name(unexpected[0])}): not a plain GPT2LMHeadModel checkpoint")
+    for key, shape in shapes.items():
+        if tuple(sd[key].shape) != shape:
+            raise QkvlabError(f"{_hf_name(key)} is {list(sd[key].shape)}, but config.json "
+                              f"implies {list(shape)}")
+    bad = [k for k, v in sd.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise QkvlabError(f"non-finite weights in {_hf_name(bad[0])}: nothing to import")
+
+
+def _detect_identity(qkv: list[tuple[torch.Tensor, ...]], qkv_b: list[tuple[torch.Tensor, ...]],
+                     hf_scale: float, notes: list[str]) -> tuple[str, float]:
+    """(projection, scale): the first of Q, K, V that is the same c I in every layer becomes
+    the identity, c moving into the scale; ("baseline", hf_scale) when none is."""
+    for idx, name in ((0, "q-identity"), (1, "k-identity"), (2, "v-identity")):
+        c = _same([_scalar_identity(w[idx], b[idx]) for w, b in zip(qkv, qkv_b, strict=True)])
+        if c is not None and (idx < 2 or c == 1.0):  # V's scale cannot move into s
+            notes.append(f"every layer's {'QKV'[idx]} block is {c:g} I: imported as "
+                         f"projection={name}")
+            return name, hf_scale * c
+    return "baseline", hf_scale
+
+
+def _qkvlab_state(sd: dict[str, torch.Tensor], qkv: list[tuple[torch.Tensor, ...]],
+                  qkv_b: list[tuple[torch.Tensor, ...]], cfg: ModelConfig
+                  ) -> dict[str, torch.Tensor]:
+    """GPT-2's tensors under qkvlab's names, Conv1D (in, out) turned into Linear (out, in); the
+    identity block of q/k/v is left out of the fused projection."""
+    L, bias, tied = cfg.n_layer, cfg.bias, cfg.tie_embeddings
     new: dict[str, torch.Tensor] = {"wte.weight": sd["wte.weight"],
                                     "norm_f.weight": sd["ln_f.weight"]}
-    if positions == "learned":
+    if cfg.positions == "learned":
         new["wpe.weight"] = sd["wpe.weight"]
     if bias:
         new["norm_f.bias"] = sd["ln_f.bias"]
     if not tied:
         new["lm_head.weight"] = sd["lm_head.weight"]
-    skip = {"q-identity": 0, "k-identity": 1, "v-identity": 2}.get(projection)
+    skip = {"q-identity": 0, "k-identity": 1, "v-identity": 2}.get(cfg.projection)
     for i in range(L):
         h, p = f"h.{i}.", f"blocks.{i}."
         kept = [j for j in range(3) if j != skip]
@@ -380,6 +415,4 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
             new[p + "norm2.bias"] = sd[h + "ln_2.bias"]
     if tied:
         new["lm_head.weight"] = new["wte.weight"]
-    model.load_state_dict({k: v.contiguous() for k, v in new.items()}, strict=True)
-    model.eval()
-    return model, notes
+    return {k: v.contiguous() for k, v in new.items()}

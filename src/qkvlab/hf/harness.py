@@ -7,13 +7,13 @@ Face hub (or a local datasets cache); when either is missing the command says so
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
+from qkvlab.run.layout import is_checkpoint_dir
 
 INSTALL_HINT = ("`pip install lm-eval`; its task data is downloaded from the Hugging Face hub "
                 "(or read from a local datasets cache with HF_DATASETS_OFFLINE=1)")
@@ -27,8 +27,6 @@ def parse_tasks(text: str) -> list[str]:
 
 
 def _is_hf_dir(path: Path) -> bool:
-    from qkvlab.train.checkpoint import is_checkpoint_dir
-
     return path.is_dir() and (path / "config.json").is_file() and not is_checkpoint_dir(path)
 
 
@@ -64,9 +62,10 @@ def format_results(results: dict[str, Any]) -> str:
         return json.dumps(results.get("results", results), indent=1, default=str)
 
 
-def lm_eval_command(args: argparse.Namespace) -> int:
-    """Export if needed, run lm-eval on the tasks, print its table."""
-    tasks = parse_tasks(args.lm_eval)
+def evaluate_tasks(path: Path, tasks: list[str], *, limit: int | None = None,
+                   batch_size: int = 8) -> dict[str, Any]:
+    """lm-eval's results for `tasks` on PATH: a transformers folder, or a qkvlab run or
+    checkpoint exported to a temporary one first."""
     try:
         import lm_eval  # noqa: F401
     except ImportError:
@@ -75,12 +74,9 @@ def lm_eval_command(args: argparse.Namespace) -> int:
 
     if not transformers_available():
         raise QkvlabError("lm-eval's hf backend needs transformers: pip install 'qkvlab[hf]'")
-    limit = getattr(args, "lm_eval_limit", None)
-    batch_size = getattr(args, "lm_eval_batch_size", None) or 8
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = Path(args.path).expanduser()
     with tempfile.TemporaryDirectory(prefix="qkvlab-lm-eval-") as tmp:
         if _is_hf_dir(path):
             model_dir = path
@@ -92,7 +88,4 @@ def lm_eval_command(args: argparse.Namespace) -> int:
             raise QkvlabError(f"lm-eval needs a Hugging Face tokenizer and {path} has none "
                               "(char/bytes tokenizers have no standard equivalent): evaluate a "
                               "model trained with the gpt2 or bpe:N tokenizer")
-        results = run_lm_eval(model_dir, tasks, limit=limit, batch_size=batch_size,
-                              device=device)
-    print(format_results(results))
-    return 0
+        return run_lm_eval(model_dir, tasks, limit=limit, batch_size=batch_size, device=device)

@@ -8,7 +8,6 @@ unpickled). A directory with pytorch_model.bin only is refused with the conversi
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 from dataclasses import dataclass, field
@@ -19,7 +18,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from qkvlab.data.cache import cache_dir
+from qkvlab.data.prepare import default_data_dir
+from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, BPETokenizer
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.hf.export import (
     CONFIG_FILE,
     QKVLAB_TOKENIZER_DIR,
@@ -29,6 +32,9 @@ from qkvlab.hf.export import (
 )
 from qkvlab.hf.gpt2 import QKVLAB_KEY, check_gpt2_config, from_gpt2
 from qkvlab.model.gpt import GPT
+from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.layout import TOKENIZER_DIR
+from qkvlab.train.config import DataConfig, RunConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -110,9 +116,6 @@ class TokenizerImport:
 
 def _cached_gpt2_tables() -> tuple[dict[str, int], list[str]] | None:
     """GPT-2's encoder.json and merges from qkvlab's cache, without any download."""
-    from qkvlab.data.cache import cache_dir
-    from qkvlab.data.tokenizer import GPT2_ENCODER, GPT2_VOCAB_BPE
-
     enc, bpe = cache_dir() / GPT2_ENCODER.dest_name, cache_dir() / GPT2_VOCAB_BPE.dest_name
     if not (enc.is_file() and bpe.is_file()):
         return None
@@ -158,8 +161,6 @@ def detect_tokenizer(model_dir: Path) -> TokenizerImport:
         return out
     tok_json = model_dir / "tokenizer.json"
     if tok_json.is_file():
-        from qkvlab.data.tokenizer import BPE_FILE, BPETokenizer
-
         try:
             from tokenizers import Tokenizer as HFTokenizer
 
@@ -192,9 +193,6 @@ class ImportResult:
 
 def _data_config(config: dict[str, Any], tok: TokenizerImport, data_dir: str | None,
                  name: str) -> Any:
-    from qkvlab.data.prepare import default_data_dir
-    from qkvlab.train.config import DataConfig
-
     if data_dir:
         meta_path = Path(data_dir) / "meta.json"
         try:
@@ -222,10 +220,6 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
                      detect: bool = True, data_dir: str | None = None,
                      verify: bool = True) -> ImportResult:
     """Read a GPT-2 transformers folder, write a qkvlab checkpoint folder, verify the logits."""
-    from qkvlab.train.checkpoint import is_checkpoint_dir, write_checkpoint
-    from qkvlab.train.config import RunConfig
-    from qkvlab.train.trainer import TOKENIZER_DIR
-
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)
     tensors = read_weights(model_dir)
@@ -240,13 +234,8 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
     if data_meta is not None and int(data_meta.get("vocab_size", 0)) > V:
         raise QkvlabError(f"mismatched vocabularies: --data {data_dir} has "
                           f"{data_meta.get('vocab_size')} tokens but the model only {V}")
-    dest = Path(out).expanduser() if out else Path("runs") / f"hf-{name}"
-    if dest.resolve() == model_dir.resolve():
-        raise QkvlabError(f"--out {dest} is the model folder itself: choose another folder")
-    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
-        # write_checkpoint replaces its destination: never let it replace a foreign folder
-        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose "
-                          "a new folder")
+    dest = checkpoint_out_dir(out, Path("runs") / f"hf-{name}", model_dir,
+                              "the model folder itself")
     run_cfg = RunConfig(model=model.cfg, data=data_cfg, name=f"hf-{name}", out_dir=str(dest))
     step = (config.get(QKVLAB_KEY) or {}).get("step", 0)  # a qkvlab export keeps its step
     state = {"step": step if isinstance(step, int) else 0, "kind": "imported",
@@ -261,24 +250,3 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
             (tok_dir / fname).write_bytes(data)
     diff = hf_logit_diff(model, model_dir) if verify and transformers_available() else None
     return ImportResult(dest, model, notes, tok.note, diff)
-
-
-def import_command(args: argparse.Namespace) -> int:
-    """Import, then print what was read and the verified logit difference."""
-    from qkvlab.model.params import count_params
-
-    result = import_model_dir(args.model_dir, args.out, detect=not args.no_detect,
-                              data_dir=args.data, verify=not args.no_verify)
-    cfg = result.model.cfg
-    print(f"imported {args.model_dir} -> {result.out} ({cfg.n_layer} layers x {cfg.n_embd}, "
-          f"{cfg.n_head} heads, vocab {cfg.vocab_size}, context {cfg.block_size}, "
-          f"projection={cfg.projection}, {count_params(cfg).total:,} parameters)")
-    for note in result.notes:
-        print(f"  note: {note}")
-    print(f"  tokenizer: {result.tokenizer_note}")
-    if result.max_logit_diff is None:
-        why = "--no-verify" if args.no_verify else "transformers is not installed"
-        print(f"  not verified against transformers ({why})")
-    else:
-        print(f"  verified with transformers: max |logit diff| {result.max_logit_diff:.2e}")
-    return 0

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any
 
 from qkvlab.errors import QkvlabError
 
-Projection = Literal["baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q"]
 PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
 # gelu_tanh: the tanh approximation GPT-2 was trained with (Hugging Face "gelu_new").
 ACTIVATIONS: tuple[str, ...] = ("gelu", "relu", "gelu_tanh")
+# "gelu": two matrices with `activation` between them (GPT-2's MLP; GELU unless `activation`
+# says otherwise). "swiglu": down(silu(gate x) * up x), Llama's gated MLP, three matrices.
+MLPS: tuple[str, ...] = ("gelu", "swiglu")
 NORMS: tuple[str, ...] = ("layernorm", "rmsnorm", "none")
 POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
 # "full": x + attn(n1 x), then + mlp(n2 x) (GPT-2). "attention": skip around attention only,
-# X_{l+1} = MLP(X_l + MHA(X_l)) (PAPER.md section 2.2). "none": no skips at all.
+# X_{l+1} = MLP(X_l + MHA(X_l)) (docs/paper.md section 2.2). "none": no skips at all.
 RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
 # How softmax(q k^T * scale) v is computed (the names Hugging Face uses): "sdpa", PyTorch's
 # scaled_dot_product_attention (flash/memory-efficient kernels, fp32 scores); "eager", plain
@@ -46,13 +48,15 @@ class ModelConfig:
     vocab_size: int = 65
     n_kv_head: int | None = None  # GQA/MQA; None means n_head
     head_dim: int | None = None  # None means n_embd // n_head
-    mlp_hidden: int | None = None  # None means round(mlp_ratio * n_embd)
+    mlp_hidden: int | None = None  # None: see `hidden`
     mlp_ratio: float = 4.0
+    mlp: str = "gelu"  # see MLPS
     bias: bool = False
     dropout: float = 0.0
     tie_embeddings: bool = True
     activation: str = "gelu"
     norm: str = "layernorm"
+    norm_eps: float | None = None  # None: torch's default (LayerNorm 1e-5, RMSNorm dtype eps)
     positions: str = "learned"
     rope_base: float = 10000.0
     residual: str = "full"
@@ -77,9 +81,19 @@ class ModelConfig:
 
     @property
     def hidden(self) -> int:
+        """The MLP's hidden width: mlp_hidden, else mlp_ratio * d for the GELU MLP; for SwiGLU
+        (three matrices, not two) 2/3 of that, rounded to a multiple of 64, so that the default
+        mlp_ratio 4 keeps a 4d GELU MLP's parameter count (d = 384: 1,024)."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
+        if self.mlp == "swiglu":
+            return max(64, 64 * int(round(2 / 3 * self.mlp_ratio * self.n_embd / 64)))
         return int(round(self.mlp_ratio * self.n_embd))
+
+    @property
+    def mlp_matrices(self) -> int:
+        """d x hidden matrices per MLP: 2 (up, down) or 3 (gate, up, down)."""
+        return 3 if self.mlp == "swiglu" else 2
 
     @property
     def identity_qk(self) -> bool:
@@ -146,9 +160,12 @@ class ModelConfig:
         need(0.0 <= float(self.dropout) < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
         need(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
         need(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
+        need(self.norm_eps is None or 0.0 < float(self.norm_eps) < 1.0,
+             f"norm_eps must be in (0, 1) or unset, got {self.norm_eps!r}")
         for name, allowed in (
             ("projection", PROJECTIONS),
             ("activation", ACTIVATIONS),
+            ("mlp", MLPS),
             ("norm", NORMS),
             ("positions", POSITIONS),
             ("residual", RESIDUALS),
@@ -198,17 +215,22 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "model") -> ModelConfig:
         """Build from plain data (a TOML table), refusing unknown keys and wrong types."""
-        valid = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(data) - set(valid))
-        if unknown:
-            raise QkvlabError(
-                f"unknown key(s) {', '.join(unknown)} in [{where}]; valid keys: "
-                f"{', '.join(valid)}"
-            )
-        kwargs: dict[str, Any] = {}
-        for key, value in data.items():
-            kwargs[key] = coerce(value, valid[key].type, f"{where}.{key}")
-        return cls(**kwargs)
+        return from_table(cls, data, where)
+
+
+def from_table(cls: type, data: Any, where: str) -> Any:
+    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types; every
+    config section (model here, data/optim/train in train.config) is read this one way."""
+    if not isinstance(data, dict):
+        raise QkvlabError(f"[{where}] must be a table of key = value pairs, got {data!r}")
+    valid = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(valid))
+    if unknown:
+        raise QkvlabError(
+            f"unknown key(s) {', '.join(unknown)} in [{where}]; valid keys: {', '.join(valid)}"
+        )
+    kwargs = {key: coerce(value, valid[key].type, f"{where}.{key}") for key, value in data.items()}
+    return cls(**kwargs)
 
 
 def coerce(value: Any, type_str: Any, where: str) -> Any:

@@ -12,19 +12,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkvlab.model.attention_kernels import eager_attention
 from qkvlab.model.config import ModelConfig
 
 
-def make_norm(kind: str, dim: int, bias: bool) -> nn.Module:
+def make_norm(kind: str, dim: int, bias: bool, eps: float | None = None) -> nn.Module:
     if kind == "layernorm":
-        return nn.LayerNorm(dim, bias=bias)
+        return nn.LayerNorm(dim, bias=bias, eps=1e-5 if eps is None else eps)
     if kind == "rmsnorm":
-        return nn.RMSNorm(dim)
+        return nn.RMSNorm(dim, eps=eps)
     return nn.Identity()
 
 
 class NonlinearQuery(nn.Module):
-    """f(X) = LN(GELU(RMSNorm(X) W1) W2), W1: d x d/2, W2: d/2 x d (PAPER.md section 6).
+    """f(X) = LN(GELU(RMSNorm(X) W1) W2), W1: d x d/2, W2: d/2 x d (docs/paper.md section 6).
 
     Same parameter budget as a d x d W_Q, plus two gains. The query is (X + f(X)) / 2.
     """
@@ -66,78 +67,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-
-
-def causal_block_rows(n_q: int) -> int:
-    """Query rows per block of the causal eager path: at least 256 (below that the blocks'
-    extra ops and smaller matmuls cost what the skipped ones save), at most 4 blocks. Measured
-    on the project's CPU, bf16 (benchmarks/causal_blocks.py): a paper-shape training step
-    (batch 1 x 1,024 tokens) 3.5-5.9% faster with 4 blocks; a baby-shape one (12 x 256) no
-    different with 2 blocks of 128 (0.995)."""
-    return max(256, -(-n_q // 4))
-
-
-def eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
-                    is_causal: bool = False, scale: float | None = None,
-                    enable_gqa: bool = False, causal_block: int | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v in plain batched matmuls, with SDPA's arguments and
-    meaning (attn_mask: True = may attend, or an additive float mask; is_causal: the
-    top-left-aligned triangle). The scores stay in the matmul dtype (bf16 under autocast), as in
-    nanoGPT's and Hugging Face's eager attention.
-
-    Causal attention runs in blocks of `causal_block` query rows (default: causal_block_rows):
-    rows s..e-1 see keys 0..e-1 only, so the blocks right of the diagonal, fully masked, are
-    never computed, as a flash kernel skips them (with 4 blocks, 6 of the 16 score tiles)."""
-    *batch, n_q, d_k = q.shape
-    if enable_gqa:
-        rep = q.size(-3) // k.size(-3)
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    n_k = k.size(-2)
-    scale = d_k ** -0.5 if scale is None else scale
-    q3, k3 = q.reshape(-1, n_q, d_k), k.reshape(-1, n_k, d_k)
-    v3 = v.reshape(-1, n_k, v.size(-1))
-    # scale * q k^T + mask in one op (baddbmm): no separate passes over the T x T scores to
-    # scale and mask them, forward or backward
-    if is_causal:
-        bias = torch.full((n_q, n_k), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
-        block = causal_block or causal_block_rows(n_q)
-        ys = []
-        # split, not slices, for the queries: one cat in the backward instead of one
-        # zero-filled full-size gradient per block; the last block takes the keys whole
-        for s, q_block in zip(range(0, n_q, block), q3.split(block, dim=1), strict=True):
-            e = s + q_block.size(1)
-            k_seen, v_seen = (k3, v3) if e >= n_k else (k3[:, :e], v3[:, :e])
-            scores = torch.baddbmm(bias[s:e, :e], q_block, k_seen.transpose(1, 2), alpha=scale)
-            ys.append(_softmax_times_values(scores, v_seen, dropout_p))
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=1)
-    elif attn_mask is not None and attn_mask.dim() > 2:  # a per-batch mask: added afterwards
-        att = (torch.bmm(q3, k3.transpose(1, 2)) * scale).view(*batch, n_q, n_k)
-        y = _softmax_times_values((att + _additive(attn_mask, q)).view(-1, n_q, n_k), v3,
-                                  dropout_p)
-    else:
-        bias = torch.zeros((), dtype=q.dtype, device=q.device) if attn_mask is None \
-            else _additive(attn_mask, q)
-        y = _softmax_times_values(torch.baddbmm(bias, q3, k3.transpose(1, 2), alpha=scale), v3,
-                                  dropout_p)
-    return y.view(*batch, n_q, v.size(-1))
-
-
-def _additive(attn_mask: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """SDPA's mask as a bias to add to the scores: a boolean mask (True = may attend) becomes
-    0 / -inf, a float mask is one already."""
-    if attn_mask.dtype != torch.bool:
-        return attn_mask.to(q.dtype)
-    bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
-    return bias.masked_fill(~attn_mask, float("-inf"))
-
-
-def _softmax_times_values(scores: torch.Tensor, v3: torch.Tensor, dropout_p: float
-                          ) -> torch.Tensor:
-    att = torch.softmax(scores, dim=-1)
-    if dropout_p:
-        att = F.dropout(att, dropout_p)
-    return torch.bmm(att, v3)
 
 
 class Attention(nn.Module):
@@ -244,25 +173,36 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """fc_out(act(fc_in x)) (mlp = "gelu"), or SwiGLU fc_out(silu(gate x) * up x) with the gate
+    and up matrices fused into fc_in ([gate | up], one matmul) (mlp = "swiglu")."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.fc_in = nn.Linear(cfg.n_embd, cfg.hidden, bias=cfg.bias)
+        self.gated = cfg.mlp == "swiglu"
+        self.fc_in = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * cfg.hidden, bias=cfg.bias)
         self.fc_out = nn.Linear(cfg.hidden, cfg.n_embd, bias=cfg.bias)
-        self.act = {"gelu": nn.GELU, "relu": nn.ReLU,
-                    "gelu_tanh": lambda: nn.GELU(approximate="tanh")}[cfg.activation]()
+        self.act = nn.SiLU() if self.gated else {
+            "gelu": nn.GELU, "relu": nn.ReLU,
+            "gelu_tanh": lambda: nn.GELU(approximate="tanh")}[cfg.activation]()
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.dropout(self.fc_out(self.act(self.fc_in(x))), self.dropout, self.training)
+        h = self.fc_in(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return F.dropout(self.fc_out(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.residual = cfg.residual
-        self.norm1 = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.norm1 = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
         self.attn = Attention(cfg)
-        self.norm2 = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.norm2 = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, rope=None, cache=None, layer=0, start_pos=0):
@@ -286,7 +226,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         n_blocks = 1 if cfg.share_layers else cfg.n_layer
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_blocks))
-        self.norm_f = make_norm(cfg.norm, cfg.n_embd, cfg.bias)
+        self.norm_f = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight

@@ -84,7 +84,7 @@ def count_params(cfg: ModelConfig) -> ParamCount:
         attn_o=blocks * linear(q_dim, d),
         query_map=blocks * query_map,
         logit_gain=blocks * cfg.n_head if cfg.learned_scale else 0,
-        mlp=blocks * (linear(d, cfg.hidden) + linear(cfg.hidden, d)),
+        mlp=blocks * ((cfg.mlp_matrices - 1) * linear(d, cfg.hidden) + linear(cfg.hidden, d)),
         norms=(2 * blocks + 1) * _norm_params(cfg),
     )
 

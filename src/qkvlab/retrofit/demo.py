@@ -1,7 +1,7 @@
 """The retrofit experiment: a standard pre-LN GPT trained on the embedded Shakespeare corpus,
 turned into W_Q = I by each init, healed for the same few steps, against a control.
 
-    python -m qkvlab.retrofit.demo --out runs/retrofit-demo [--base RUN] [--base-steps 1200]
+    python -m qkvlab.commands.retrofit_demo --out runs/retrofit-demo [--base RUN]
 
 Arms (every healing run sees the same batches, lr schedule and validation windows):
   control       the original model (learned W_Q) fine-tuned with the same CE steps: what the
@@ -16,7 +16,6 @@ regular checkpoint in --out/retrofit-q-identity.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
@@ -26,9 +25,14 @@ from typing import Any
 
 import torch
 
-from qkvlab.retrofit.command import RetrofitReport, write_retrofit
+from qkvlab.retrofit.checkpoint import RetrofitReport, write_retrofit
 from qkvlab.retrofit.heal import HealConfig, heal
 from qkvlab.retrofit.init import attention_moments, build_student
+from qkvlab.run.device import evaluate
+from qkvlab.run.layout import list_checkpoints
+from qkvlab.run.load import load_model, open_data
+from qkvlab.train import train
+from qkvlab.train.config import load_config
 
 BASE_PRESET = "compare-quick"  # 4 layers x 128, context 128, char-level tinyshakespeare
 BASE_STEPS = 1200  # the preset's full length
@@ -38,10 +42,6 @@ CALIB_STEP_OFFSET = 1_000_000
 
 def train_base(out: Path, steps: int) -> Path:
     """The standard model to retrofit (trained once; an existing run is reused)."""
-    from qkvlab.train.checkpoint import list_checkpoints
-    from qkvlab.train.config import load_config
-    from qkvlab.train.trainer import train
-
     run = out / "base"
     if list_checkpoints(run):
         return run
@@ -55,9 +55,6 @@ def train_base(out: Path, steps: int) -> Path:
 def run_demo(out: Path, base: Path | None = None, *, steps: int = 100, windows: int = 64,
              eval_every: int = 25, lr: float | None = None, seed: int = 0,
              base_steps: int = BASE_STEPS, log=print) -> dict[str, Any]:
-    from qkvlab.train.checkpoint import load_model
-    from qkvlab.train.trainer import evaluate, open_data
-
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)
     base = base or train_base(out, base_steps)
@@ -137,25 +134,3 @@ def results_markdown(summary: dict[str, Any]) -> str:
                                                else f"{v:.1f}"))
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("runs/retrofit-demo"))
-    parser.add_argument("--base", type=Path, default=None,
-                        help="a trained baseline run to reuse (default: train one)")
-    parser.add_argument("--base-steps", type=int, default=BASE_STEPS)
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--windows", type=int, default=64)
-    parser.add_argument("--eval-every", type=int, default=25)
-    parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    run_demo(args.out, args.base, steps=args.steps, windows=args.windows,
-             eval_every=args.eval_every, lr=args.lr, seed=args.seed, base_steps=args.base_steps)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
-

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.model.gpt import GPT
+from qkvlab.run.device import autocast
 from qkvlab.train.config import OptimConfig
 from qkvlab.train.optim import build_optimizer, lr_at, set_lr
-from qkvlab.train.trainer import autocast
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Three starting points, all with the same parameters as a q-identity model of the source shape:
 
   drop     remove W_Q and keep everything else (the trivial init, the control).
-  basis    `qkvlab.theory.convert.approximate_convert`: the exact recipe of PAPER.md sections 1-3
+  basis    `qkvlab.theory.convert.approximate_convert`: the exact recipe of the paper (1-3)
            applied anyway, with the stream basis diag(gamma) W_Q (unit columns) per layer. It is
            exact when W_Q is orthogonal (and fixes 1 under LayerNorm) and the layers share it;
            a trained W_Q is neither, and full skips carry layer l's basis into layer l+1.

@@ -1,4 +1,4 @@
-"""Numerical checks of PAPER.md sections 1-4: exact conversions and measured limits."""
+"""Numerical checks of docs/paper.md sections 1-4: exact conversions and measured limits."""
 
 from qkvlab.theory.convert import (
     TARGETS,

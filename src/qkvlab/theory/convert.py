@@ -1,4 +1,4 @@
-"""Exact W_Q (or W_K, W_V) elimination, PAPER.md sections 1-3.
+"""Exact W_Q (or W_K, W_V) elimination, docs/paper.md sections 1-3.
 
 Convention: the paper writes rows as tokens, Q = X W_Q with W_Q of shape (d_in, d_out);
 `nn.Linear` stores weight = W^T of shape (out, in). Internally everything below is in the
@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.theory.common import param_count
 
@@ -256,12 +257,51 @@ def _plan(model: GPT, to: str, *, cond_limit: float, tol: float) -> _Plan:
     W = f"W_{which.upper()}"
     sd = model.state_dict()
     blocks = _read_blocks(model, sd)
-    d = cfg.n_embd
-    eye = torch.eye(d, dtype=F64)
     norm = cfg.norm != "none"
     report = ConversionReport(to=to, theorem="")
+    _check_biases(cfg, blocks, which, report)
 
-    # Biases: decide per target whether the identity can reproduce them (never silently drop).
+    # Bases. A_i = W_X (attention input basis); B_i = stream basis.
+    A, B, g1_new = [], [], []
+    for i, blk in enumerate(blocks):
+        a = blk.P[which]
+        c = _cond(a)
+        report.conditions[f"{W} layer {i}"] = c
+        if not c <= cond_limit:
+            # beyond 1/eps(float64) the matrix is singular to working precision
+            what = "singular" if c > 1e15 else "ill-conditioned"
+            raise QkvlabError(
+                f"section 1 needs an invertible {W}: layer {i}'s {W} is {what} (condition number "
+                f"{c:.3g} > limit {cond_limit:.3g}); its inverse would amplify rounding errors")
+        A.append(a)
+        bi, gi = _norm_basis(i, blk, a, W, cond_limit, report) if norm else (a, None)
+        B.append(bi)
+        g1_new.append(gi)
+
+    free_end, B_final, B_next = _end_bases(cfg, B)
+    # ---- hypotheses (exact = all hold); the first failing one is the refusal ----------------
+    hyps = report.hypotheses
+    if norm:
+        hyps.append(_norm_hypothesis(cfg.norm, B, B_final, W, tol))
+    L = cfg.n_layer
+    if cfg.residual == "full" and not cfg.share_layers and L > 1:
+        hyps.append(_skip_hypothesis(B, L, tol))
+    if cfg.tie_embeddings:
+        hyps.append(_tied_head_hypothesis(sd, norm, B[0], B_final, free_end, W, tol))
+
+    report.theorem = _theorem(model, free_end)
+    if cfg.positions == "learned":
+        report.notes.append("learned positions: P' = P T_1, like the token table")
+    elif cfg.positions == "rope":
+        report.notes.append("RoPE rotates q and k after the projections: X' W' = X W, unchanged")
+    if norm:
+        report.notes.append("norm2 and final-norm gains folded into W_1 and the head")
+    return _Plan(which, blocks, A, B, g1_new, B_next, B_final, free_end, report)
+
+
+def _check_biases(cfg: ModelConfig, blocks: list[_Block], which: str,
+                  report: ConversionReport) -> None:
+    """Decide per target whether the identity can reproduce the biases (never silently drop)."""
     for i, blk in enumerate(blocks):
         bx = blk.b[which]
         if bx is None or not bool(bx.abs().max() > 0):
@@ -282,40 +322,31 @@ def _plan(model: GPT, to: str, *, cond_limit: float, tol: float) -> _Plan:
         report.notes.append("b_V folded into b_O: every attention row sums to 1, so A(V + 1 b_V)"
                             " W_O = A V W_O + b_V W_O")
 
-    # Bases. A_i = W_X (attention input basis); B_i = stream basis.
-    A, B, g1_new = [], [], []
-    for i, blk in enumerate(blocks):
-        a = blk.P[which]
-        c = _cond(a)
-        report.conditions[f"{W} layer {i}"] = c
-        if not c <= cond_limit:
-            # beyond 1/eps(float64) the matrix is singular to working precision
-            what = "singular" if c > 1e15 else "ill-conditioned"
-            raise QkvlabError(
-                f"section 1 needs an invertible {W}: layer {i}'s {W} is {what} (condition number "
-                f"{c:.3g} > limit {cond_limit:.3g}); its inverse would amplify rounding errors")
-        A.append(a)
-        if norm:
-            # B diag(gamma') = diag(gamma) W_X with unit columns in B: exact when the columns of
-            # diag(gamma) W_X are orthogonal, the only case section 3 allows.
-            ga = blk.g1[:, None] * a
-            cn = ga.norm(dim=0)
-            if not bool((cn > 0).all()):
-                raise QkvlabError(f"layer {i}: diag(gamma) {W} has a zero column (a zero norm1 "
-                                  "gain): no basis can carry it")
-            bi = ga / cn
-            cb = _cond(bi)
-            report.conditions[f"stream basis layer {i}"] = cb
-            if not cb <= cond_limit:
-                raise QkvlabError(
-                    f"section 3: layer {i}'s stream basis diag(gamma) {W} diag(1/|col|) is "
-                    f"ill-conditioned (condition number {cb:.3g} > limit {cond_limit:.3g})")
-            B.append(bi)
-            g1_new.append(cn)
-        else:
-            B.append(a)
-            g1_new.append(None)
 
+def _norm_basis(i: int, blk: _Block, a: torch.Tensor, W: str, cond_limit: float,
+                report: ConversionReport) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer i's stream basis under a norm, and the norm1 gain that carries the rest."""
+    # B diag(gamma') = diag(gamma) W_X with unit columns in B: exact when the columns of
+    # diag(gamma) W_X are orthogonal, the only case section 3 allows.
+    ga = blk.g1[:, None] * a
+    cn = ga.norm(dim=0)
+    if not bool((cn > 0).all()):
+        raise QkvlabError(f"layer {i}: diag(gamma) {W} has a zero column (a zero norm1 "
+                          "gain): no basis can carry it")
+    bi = ga / cn
+    cb = _cond(bi)
+    report.conditions[f"stream basis layer {i}"] = cb
+    if not cb <= cond_limit:
+        raise QkvlabError(
+            f"section 3: layer {i}'s stream basis diag(gamma) {W} diag(1/|col|) is "
+            f"ill-conditioned (condition number {cb:.3g} > limit {cond_limit:.3g})")
+    return bi, cn
+
+
+def _end_bases(cfg: ModelConfig, B: list[torch.Tensor]
+               ) -> tuple[bool, torch.Tensor, list[torch.Tensor]]:
+    """(free_end, the basis entering the final norm / head, the basis each W_2 writes into)."""
+    eye = torch.eye(cfg.n_embd, dtype=F64)
     L = cfg.n_layer
     shared_multi = cfg.share_layers and L > 1
     free_end = cfg.residual != "full" and not shared_multi
@@ -330,61 +361,63 @@ def _plan(model: GPT, to: str, *, cond_limit: float, tol: float) -> _Plan:
         B_next = [B[0]]
     else:
         B_next = B[1:] + [B_final]
+    return free_end, B_final, B_next
 
-    # ---- hypotheses (exact = all hold); the first failing one is the refusal ----------------
-    hyps = report.hypotheses
-    if norm:
-        kind = cfg.norm
-        targets = [(f"norm1 of layer {i}", B[i]) for i in range(len(B))]
-        targets.append(("final norm", B_final))
-        worst, where = 0.0, ""
-        for name, b in targets:
-            dfct = _orthogonality_defect(b, kind)
-            if dfct > worst:
-                worst, where = dfct, name
-        need = ("orthogonal and keeps the all-ones direction" if kind == "layernorm"
-                else "orthogonal")
-        hyps.append(Hypothesis(
-            f"{kind} commutes with the basis change (T {need})", worst, tol,
-            f"section 3: normalization obstructs an exact conversion unless {W} is orthogonal "
-            f"(RMSNorm) or orthogonal and keeps the all-ones direction (LayerNorm), with gains "
-            f"T diag(gamma') = diag(gamma) {W}; this {kind} model's basis at {where} misses by "
-            f"{worst:.3g}. Use approximate_convert to measure the error, or train the reduced "
-            "model from scratch"))
-    if cfg.residual == "full" and not cfg.share_layers and L > 1:
-        defect = max(float((B[i] - B[i + 1]).abs().max() / B[i].abs().max().clamp_min(1e-300))
-                     for i in range(L - 1))
-        hyps.append(Hypothesis(
-            "full skips need one basis for the whole stream (shared weights)", defect, tol,
-            f"section 2.3: full skips (around attention and MLP) without shared weights: layer "
-            f"l's basis would have to pass the skip into layer l+1, which an MLP with a skip "
-            f"cannot absorb (section 4); relative |T_l - T_l+1| = {defect:.3g}. Use "
-            "share_layers=true or residual='attention', or approximate_convert to measure the "
-            "error"))
-    if cfg.tie_embeddings:
-        if norm:
-            gf = sd["norm_f.weight"].detach().to("cpu", F64)
-            G = torch.linalg.solve(B_final, torch.diag(gf)) @ torch.linalg.inv(B1).T
-            off = G - torch.diag(torch.diagonal(G))
-            defect = float(off.abs().max() / G.abs().max().clamp_min(1e-300))
-            name = "tied head: T_F^-1 diag(gamma_f) T_1^-T is diagonal (a new final gain)"
-        else:
-            defect = 0.0 if free_end else float((B_final @ B1.T - eye).abs().max())
-            name = "tied head: the stream's last basis T_F satisfies T_F T_1^T = I"
-        hyps.append(Hypothesis(
-            name, defect, tol,
-            f"section 2.4: tied embeddings with a residual path to the head need T^-1 = T^T "
-            f"(an orthogonal {W}); here the defect is {defect:.3g}. Untie the head "
-            "(tie_embeddings=false), use residual='attention', or approximate_convert"))
 
-    report.theorem = _theorem(model, free_end)
-    if cfg.positions == "learned":
-        report.notes.append("learned positions: P' = P T_1, like the token table")
-    elif cfg.positions == "rope":
-        report.notes.append("RoPE rotates q and k after the projections: X' W' = X W, unchanged")
+def _norm_hypothesis(kind: str, B: list[torch.Tensor], B_final: torch.Tensor, W: str,
+                     tol: float) -> Hypothesis:
+    """Section 3: the norm commutes with every basis only when it is orthogonal (and, for
+    LayerNorm, keeps the all-ones direction)."""
+    targets = [(f"norm1 of layer {i}", B[i]) for i in range(len(B))]
+    targets.append(("final norm", B_final))
+    worst, where = 0.0, ""
+    for name, b in targets:
+        dfct = _orthogonality_defect(b, kind)
+        if dfct > worst:
+            worst, where = dfct, name
+    need = ("orthogonal and keeps the all-ones direction" if kind == "layernorm"
+            else "orthogonal")
+    return Hypothesis(
+        f"{kind} commutes with the basis change (T {need})", worst, tol,
+        f"section 3: normalization obstructs an exact conversion unless {W} is orthogonal "
+        f"(RMSNorm) or orthogonal and keeps the all-ones direction (LayerNorm), with gains "
+        f"T diag(gamma') = diag(gamma) {W}; this {kind} model's basis at {where} misses by "
+        f"{worst:.3g}. Use approximate_convert to measure the error, or train the reduced "
+        "model from scratch")
+
+
+def _skip_hypothesis(B: list[torch.Tensor], L: int, tol: float) -> Hypothesis:
+    """Section 2.3: full skips without shared weights need the same basis in every layer."""
+    defect = max(float((B[i] - B[i + 1]).abs().max() / B[i].abs().max().clamp_min(1e-300))
+                 for i in range(L - 1))
+    return Hypothesis(
+        "full skips need one basis for the whole stream (shared weights)", defect, tol,
+        f"section 2.3: full skips (around attention and MLP) without shared weights: layer "
+        f"l's basis would have to pass the skip into layer l+1, which an MLP with a skip "
+        f"cannot absorb (section 4); relative |T_l - T_l+1| = {defect:.3g}. Use "
+        "share_layers=true or residual='attention', or approximate_convert to measure the "
+        "error")
+
+
+def _tied_head_hypothesis(sd: dict[str, torch.Tensor], norm: bool, B1: torch.Tensor,
+                          B_final: torch.Tensor, free_end: bool, W: str, tol: float
+                          ) -> Hypothesis:
+    """Section 2.4: a tied head reads the stream through the token table's basis."""
+    eye = torch.eye(B1.shape[0], dtype=F64)
     if norm:
-        report.notes.append("norm2 and final-norm gains folded into W_1 and the head")
-    return _Plan(which, blocks, A, B, g1_new, B_next, B_final, free_end, report)
+        gf = sd["norm_f.weight"].detach().to("cpu", F64)
+        G = torch.linalg.solve(B_final, torch.diag(gf)) @ torch.linalg.inv(B1).T
+        off = G - torch.diag(torch.diagonal(G))
+        defect = float(off.abs().max() / G.abs().max().clamp_min(1e-300))
+        name = "tied head: T_F^-1 diag(gamma_f) T_1^-T is diagonal (a new final gain)"
+    else:
+        defect = 0.0 if free_end else float((B_final @ B1.T - eye).abs().max())
+        name = "tied head: the stream's last basis T_F satisfies T_F T_1^T = I"
+    return Hypothesis(
+        name, defect, tol,
+        f"section 2.4: tied embeddings with a residual path to the head need T^-1 = T^T "
+        f"(an orthogonal {W}); here the defect is {defect:.3g}. Untie the head "
+        "(tie_embeddings=false), use residual='attention', or approximate_convert")
 
 
 # ---- applying the plan -------------------------------------------------------------------------
@@ -476,7 +509,7 @@ def convert(model: GPT, to: str = "q-identity", *, cond_limit: float = 1e8, tol:
             dtype: torch.dtype | None = None) -> tuple[GPT, ConversionReport]:
     """A NEW model with projection=`to` computing the same function as `model` (baseline).
 
-    Picks the theorem of PAPER.md section 2 from the layout and refuses, with a one-line
+    Picks the theorem of docs/paper.md section 2 from the layout and refuses, with a one-line
     QkvlabError naming the violated hypothesis, whatever is outside it: a norm unless W_X is
     orthogonal (section 3), full skips without shared weights, a tied head with a non-orthogonal
     basis on a residual path, GQA for k/v, a nonzero b_Q, singular or ill-conditioned W_X

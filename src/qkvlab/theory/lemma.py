@@ -1,4 +1,4 @@
-"""The reparametrization lemma (PAPER.md section 1) on the model's own Attention module.
+"""The reparametrization lemma (docs/paper.md section 1) on the model's own Attention module.
 
     MHA(X T; T^-1 W_Q, T^-1 W_K, T^-1 W_V, W_O) == MHA(X; W_Q, W_K, W_V, W_O)
 

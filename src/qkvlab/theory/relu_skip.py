@@ -1,4 +1,4 @@
-"""Can a ReLU MLP absorb its own skip connection? (PAPER.md section 4)
+"""Can a ReLU MLP absorb its own skip connection? (docs/paper.md section 4)
 
 Column convention here: x in R^d, W1 of shape (m, d), W2 of shape (d, m), and
 

@@ -1,4 +1,4 @@
-"""`qkvlab verify`: every statement of PAPER.md sections 1-4, checked numerically in float64.
+"""`qkvlab verify`: every statement of docs/paper.md sections 1-4, checked numerically in float64.
 
 Each row is one statement on random weights: exact statements must match to rounding error,
 obstructions must show an error far above it. The two thresholds are a decade-wide gap apart
@@ -7,14 +7,12 @@ from what the checks actually produce (~1e-14 vs >= 1e-2), so PASS/FAIL is not a
 
 from __future__ import annotations
 
-import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from qkvlab.theory import lemma, limits, relu_skip
+from qkvlab.theory import lemma, limits, relu_skip, rope
 from qkvlab.theory.common import random_model
 
 EXACT_TOL = 1e-9  # exact: max |diff| <= this (float64 rounding gives ~1e-14)
@@ -152,38 +150,29 @@ def _checks(seed: int) -> list[tuple[str, str, str, str, Callable[[], float]]]:
     ]
 
 
+def _rope_checks(seed: int) -> list[tuple[str, str, str, str, Callable[[], float]]]:
+    """Folding one head's W_Q into its keys (what a retrofit does) under RoPE: docs/theory.md,
+    "W_Q under RoPE"."""
+    s = seed
+    return [
+        ("RoPE", "fold W_Q into W_K: q = x, k = y W_K W_Q^T", "one head, no positions", "exact",
+         lambda: rope.fold_error("no-rope", seed=s)),
+        ("RoPE", "fold W_Q into W_K under RoPE", "generic W_Q (d_k = 8)", "obstruction",
+         lambda: rope.fold_error("generic", seed=s)),
+        ("RoPE", "fold under RoPE, W_Q commuting with the rotations",
+         "2x2 rotation-scaling per RoPE pair", "exact",
+         lambda: rope.fold_error("commuting", seed=s)),
+    ]
+
+
 def run_checks(seed: int = 0) -> list[CheckResult]:
     """Run every check of the table (a few seconds on 2 CPU cores)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny float64 problems: threading only adds overhead
     try:
         out = []
-        for section, statement, hyp, expect, fn in _checks(seed):
+        for section, statement, hyp, expect, fn in _checks(seed) + _rope_checks(seed):
             out.append(CheckResult(section, statement, hyp, float(fn()), expect))
         return out
     finally:
         torch.set_num_threads(threads)
-
-
-def verify_command(args: argparse.Namespace) -> int:
-    """Print the table; exit status 1 if any row fails."""
-    from rich.table import Table
-
-    from qkvlab.console import table_console
-
-    start = time.perf_counter()
-    results = run_checks(int(getattr(args, "seed", 0) or 0))
-    elapsed = time.perf_counter() - start
-    table = Table(title=f"PAPER.md sections 1-4, float64, seed {getattr(args, 'seed', 0)}")
-    for col, kw in (("§", {}), ("statement", {}), ("hypotheses", {}),
-                    ("max |diff|", {"justify": "right"}), ("expect", {}), ("tolerance", {}),
-                    ("result", {})):
-        table.add_column(col, **kw)
-    for r in results:
-        table.add_row(r.section, r.statement, r.hypotheses, f"{r.value:.2e}", r.expect,
-                      r.criterion, "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]")
-    console = table_console()
-    console.print(table)
-    failed = sum(not r.passed for r in results)
-    console.print(f"{len(results) - failed}/{len(results)} PASS in {elapsed:.1f} s")
-    return 1 if failed else 0

@@ -8,7 +8,6 @@ resolved config back so that `load_config(save_config(cfg))` gives `cfg` again.
 
 from __future__ import annotations
 
-import argparse
 import math
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -16,8 +15,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from qkvlab.errors import QkvlabError
-from qkvlab.model.config import ModelConfig, coerce
+from qkvlab.fsutil import write_text_atomic
+from qkvlab.model.config import ModelConfig, coerce, from_table
+from qkvlab.run.layout import CONFIG_FILE
 
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
@@ -32,20 +35,6 @@ EMBEDDED_SOURCE = "shakespeare"
 def _need(ok: bool, where: str, msg: str) -> None:
     if not ok:
         raise QkvlabError(f"invalid config: {where} {msg}")
-
-
-def _from_dict(cls: type, data: Any, where: str) -> Any:
-    """Build dataclass `cls` from a TOML table, refusing unknown keys and wrong types."""
-    if not isinstance(data, dict):
-        raise QkvlabError(f"[{where}] must be a table of key = value pairs, got {data!r}")
-    valid = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(valid))
-    if unknown:
-        raise QkvlabError(
-            f"unknown key(s) {', '.join(unknown)} in [{where}]; valid keys: {', '.join(valid)}"
-        )
-    kwargs = {key: coerce(value, valid[key].type, f"{where}.{key}") for key, value in data.items()}
-    return cls(**kwargs)
 
 
 def _to_dict(obj: Any) -> dict[str, Any]:
@@ -217,9 +206,9 @@ class RunConfig:
             raise QkvlabError(f"[model] must be a table of key = value pairs, got {model!r}")
         return cls(
             model=ModelConfig.from_dict(model, where="model"),
-            data=_from_dict(DataConfig, data.get("data", {}), "data"),
-            optim=_from_dict(OptimConfig, data.get("optim", {}), "optim"),
-            train=_from_dict(TrainConfig, data.get("train", {}), "train"),
+            data=from_table(DataConfig, data.get("data", {}), "data"),
+            optim=from_table(OptimConfig, data.get("optim", {}), "optim"),
+            train=from_table(TrainConfig, data.get("train", {}), "train"),
             name=name,
             out_dir=out_dir or None,
         )
@@ -239,21 +228,12 @@ def preset_text(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def _preset_summary(name: str) -> str:
+def preset_summary(name: str) -> str:
     """The first comment line of a preset, used as its description."""
     for line in preset_text(name).splitlines():
         if line.startswith("#"):
             return line.lstrip("# ").strip()
     return ""
-
-
-def presets_command(args: argparse.Namespace) -> int:
-    """`qkvlab presets`: list the shipped presets with a one-line description each."""
-    names = preset_names()
-    width = max(len(n) for n in names)
-    for name in names:
-        print(f"{name:<{width}}  {_preset_summary(name)}")
-    return 0
 
 
 # ---- loading, overrides, saving -----------------------------------------------------------
@@ -269,8 +249,8 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
 def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]:
     """The raw TOML dict of a config file, a run folder (its config.toml) or a preset name."""
     path = Path(path_or_preset).expanduser()
-    if path.is_dir() and (path / "config.toml").is_file():
-        path = path / "config.toml"
+    if path.is_dir() and (path / CONFIG_FILE).is_file():
+        path = path / CONFIG_FILE
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8")
@@ -343,8 +323,6 @@ def _drop_none(table: dict[str, Any]) -> dict[str, Any]:
 
 def config_toml(cfg: RunConfig) -> str:
     """The resolved config as TOML text (None values omitted: absent means None)."""
-    import tomli_w
-
     data = {section: _drop_none(table) for section, table in cfg.to_dict().items()}
     text = tomli_w.dumps(data)
     m = cfg.model
@@ -357,6 +335,31 @@ def config_toml(cfg: RunConfig) -> str:
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
     """Write the resolved config as TOML, atomically; `load_config(path)` gives `cfg` back."""
-    from qkvlab.fsutil import write_text_atomic
-
     return write_text_atomic(Path(path), config_toml(cfg))
+
+
+# ---- resume -------------------------------------------------------------------------------
+# Keys that may differ between a run's saved config and the one it resumes with: they change
+# bookkeeping (length, logging, where things are), not the training trajectory.
+RESUME_HARMLESS = frozenset({
+    "run.name", "run.out_dir", "data.dir", "data.prepare_if_missing",
+    "train.max_steps", "train.eval_interval", "train.eval_windows", "train.eval_batch_size",
+    "train.log_interval", "train.ckpt_interval", "train.keep_last", "train.compile",
+    "train.device", "train.max_nonfinite", "train.peak_flops", "train.tensorboard",
+    # DDP vs FSDP is how processes share the work, not what they compute; the world size is
+    # not in the config at all: the global batch is the same for any number of processes
+    "train.parallel",
+})
+
+
+def config_diff(saved: RunConfig, now: RunConfig) -> list[str]:
+    """The trajectory-deciding keys where `now` differs from `saved`, in words."""
+    a, b = saved.to_dict(), now.to_dict()
+    diffs = []
+    for section in a:
+        for key in sorted(set(a[section]) | set(b.get(section, {}))):
+            name = f"{section}.{key}"
+            old, new = a[section].get(key), b.get(section, {}).get(key)
+            if name not in RESUME_HARMLESS and old != new:
+                diffs.append(f"{name} (saved {old!r}, now {new!r})")
+    return diffs

@@ -27,11 +27,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qkvlab.errors import QkvlabError
+from qkvlab.run.checkpoint import load_optimizer_state
+from qkvlab.run.device import autocast, evaluate
+from qkvlab.run.rng import rng_state, set_rng_state
 from qkvlab.train.config import PARALLEL
 
 PARALLEL_MODES = PARALLEL  # the train.parallel choices
@@ -279,8 +284,6 @@ def _local_cuda(device: torch.device, local_rank: int) -> torch.device:
 
 def rank_seed(seed: int, rank: int) -> int:
     """The torch seed of rank > 0 after initialisation, so dropout masks differ between ranks."""
-    import numpy as np
-
     return int(np.random.SeedSequence([int(seed), 0x5EED, int(rank)]).generate_state(1)[0])
 
 
@@ -338,8 +341,6 @@ class Parallel:
         self.mode = mode if ctx.enabled else "single"
         self.wrapped: nn.Module = module
         if self.mode == "ddp":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
             ids = [ctx.device.index] if ctx.device.type == "cuda" else None
             # The only buffers are RoPE tables, identical everywhere: broadcasting them every
             # forward would cost a collective and tie eval forwards to a matching count.
@@ -353,6 +354,7 @@ class Parallel:
         self.fwd: nn.Module = torch.compile(self.wrapped) if use_compile else self.wrapped
 
     def _shard(self) -> None:
+        # FSDP's modules take ~0.5 s to import (measured): only FSDP runs pay for them
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
@@ -404,8 +406,6 @@ class Parallel:
         all-reduced. Every process runs the same number of forwards (padding with a batch that
         is not counted): FSDP forwards are collectives that must pair up.
         """
-        from qkvlab.train.trainer import autocast, evaluate
-
         if not self.ctx.enabled:
             return evaluate(self.fwd, x, y, batch_size, self.ctx.device, dtype)
         starts = list(range(0, x.size(0), batch_size))
@@ -441,8 +441,6 @@ class Parallel:
         """
         extra: dict[str, Any] = {}
         if self.ctx.enabled:
-            from qkvlab.train.checkpoint import rng_state
-
             # per-rank RNGs (dropout): an exact resume on the same world size restores each
             extra = {"rng_ranks": self.ctx.gather(rng_state())}
         model, optim = self._full_states(optimizer)
@@ -455,6 +453,7 @@ class Parallel:
     def _full_states(self, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
         if self.mode != "fsdp":
             return self.module, optimizer  # every rank holds the full, identical state
+        # FSDP only, like _shard's imports
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -473,11 +472,10 @@ class Parallel:
 
     def load_optimizer(self, optimizer: torch.optim.Optimizer, ckpt: Any) -> None:
         """Restore the optimizer from a checkpoint written by any world size and mode."""
-        from qkvlab.train.checkpoint import load_optimizer_state
-
         if self.mode != "fsdp":
             load_optimizer_state(optimizer, ckpt)
             return
+        # FSDP only, like _shard's imports
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_optimizer_state_dict,
@@ -500,8 +498,6 @@ class Parallel:
 
     def restore_rng(self, state: dict[str, Any], seed: int, step: int) -> None:
         """Each rank's RNG state of a checkpoint, when it was saved with this world size."""
-        from qkvlab.train.checkpoint import set_rng_state
-
         ranks = state.get("rng_ranks")
         if isinstance(ranks, list) and len(ranks) == self.ctx.world_size:
             set_rng_state(ranks[self.ctx.rank])
@@ -527,13 +523,3 @@ def _by_index(osd: dict[str, Any]) -> dict[str, Any]:
             ids.append(index[fqn])
         groups.append({**group, "params": ids})
     return {"state": {index[k]: v for k, v in osd["state"].items()}, "param_groups": groups}
-
-
-class NullLog:
-    """metrics.jsonl on ranks other than 0: nothing is written."""
-
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass

@@ -21,6 +21,7 @@ vocabulary must have room for it.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,7 +29,9 @@ import torch.nn.functional as F
 
 from qkvlab.data.loader import mix_seed
 from qkvlab.errors import QkvlabError
+from qkvlab.run.device import autocast
 from qkvlab.train.config import OBJECTIVES
+from qkvlab.train.distributed import DistContext
 
 IGNORE_INDEX = -100  # GPT.forward skips these targets
 # BERT's split of the selected positions: 80% [MASK], 10% a random token, 10% unchanged.
@@ -149,8 +152,6 @@ def evaluate_masked(par: Any, x: torch.Tensor, y: torch.Tensor, batch_size: int,
     out round-robin and the sums all-reduced, every process running the same number of forwards
     (FSDP forwards are collectives that must pair up), as Parallel.evaluate does for clm.
     """
-    from qkvlab.train.trainer import autocast
-
     ctx, fwd = par.ctx, par.fwd
     starts = list(range(0, x.size(0), batch_size))
     mine = starts[ctx.rank::ctx.world_size]
@@ -184,8 +185,6 @@ def window_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, batc
     For clm every window has the same number of targets, so the mean over windows is the
     trainer's val_loss; the experiment report pairs these per window across runs.
     """
-    from qkvlab.train.trainer import autocast
-
     was_training = model.training
     model.eval()
     out: list[float] = []
@@ -206,9 +205,5 @@ def evaluate_model_masked(model: torch.nn.Module, x: torch.Tensor, y: torch.Tens
                           batch_size: int, device: torch.device, dtype: str
                           ) -> tuple[float, float]:
     """evaluate_masked for a plain model in this process (`qkvlab eval`)."""
-    from types import SimpleNamespace
-
-    from qkvlab.train.distributed import DistContext
-
     return evaluate_masked(SimpleNamespace(ctx=DistContext(device), fwd=model), x, y, batch_size,
                            dtype)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The measurements behind the README's numbers, in one sequential script (a quiet machine:
-# nothing else running). Outputs land in docs/results/ (tables as .txt, numbers as .json).
+# The compare and benchmark measurements of docs/results/README.md and benchmarks/README.md,
+# in one sequential script (a quiet machine: nothing else running). Outputs land in
+# docs/results/ (tables as .txt, numbers as .json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

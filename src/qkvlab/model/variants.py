@@ -1,4 +1,4 @@
-"""The paper's model variants (PAPER.md section 5) and the rules that derive them from a base.
+"""The paper's model variants (docs/paper.md section 5) and the rules that derive them from a base.
 
 The rules, stated once: W_Q = I halves the attention scale (the config default for the scheme)
 and lowers weight decay from 0.1 to 2^-5; "reallocated" moves the d^2 saved per layer into the
@@ -32,9 +32,15 @@ def reduced(base: ModelConfig) -> ModelConfig:
     return dataclasses.replace(base, projection="q-identity", attn_scale="paper")
 
 
+def saved_hidden(base: ModelConfig) -> int:
+    """MLP hidden units that hold the d^2 weights W_Q = I saves per layer: d/2 for the GELU
+    MLP's two matrices, d/3 (rounded) for SwiGLU's three."""
+    return round(base.n_embd / base.mlp_matrices)
+
+
 def reallocated(base: ModelConfig) -> ModelConfig:
-    """W_Q = I with the d^2 saved per layer given to the MLP: hidden + d/2."""
-    return dataclasses.replace(reduced(base), mlp_hidden=base.hidden + base.n_embd // 2)
+    """W_Q = I with the d^2 saved per layer given to the MLP: hidden + d/2 (SwiGLU: + d/3)."""
+    return dataclasses.replace(reduced(base), mlp_hidden=base.hidden + saved_hidden(base))
 
 
 def compare_variants(base: ModelConfig) -> list[Variant]:
@@ -47,7 +53,7 @@ def compare_variants(base: ModelConfig) -> list[Variant]:
 
 
 def paper_variants(**overrides) -> list[Variant]:
-    """The five GPT-2-small variants of PAPER.md section 5."""
+    """The five GPT-2-small variants of docs/paper.md section 5."""
     base = ModelConfig(**{**PAPER_SHAPE, **overrides})
     return compare_variants(base) + [
         Variant("smaller-mlp", "control: W_Q, MLP 3.5d", dataclasses.replace(base, mlp_ratio=3.5),
@@ -64,9 +70,9 @@ def smaller_mlp(base: ModelConfig) -> ModelConfig:
     Said as a ratio when the base says one (4d -> 3.5d), so the paper's base gives exactly the
     control of `paper_variants`.
     """
-    if base.mlp_hidden is None:
+    if base.mlp_hidden is None and base.mlp == "gelu":
         return dataclasses.replace(base, mlp_ratio=base.mlp_ratio - 0.5)
-    return dataclasses.replace(base, mlp_hidden=base.hidden - base.n_embd // 2)
+    return dataclasses.replace(base, mlp_hidden=base.hidden - saved_hidden(base))
 
 
 def narrower(base: ModelConfig) -> ModelConfig:
@@ -78,7 +84,7 @@ def narrower(base: ModelConfig) -> ModelConfig:
 
 
 def nonlinear_query(base: ModelConfig) -> ModelConfig:
-    """PAPER.md section 6: Q(X) = (X + f(X)) / 2, keys and values linear, the usual scale."""
+    """docs/paper.md section 6: Q(X) = (X + f(X)) / 2, keys and values linear, the usual scale."""
     return dataclasses.replace(base, projection="nonlinear-q", attn_scale="paper")
 
 

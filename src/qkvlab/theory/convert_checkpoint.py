@@ -1,25 +1,26 @@
 """`qkvlab convert CHECKPOINT --to q-identity`: exact conversion of a trained checkpoint.
 
 Loads the checkpoint, converts it with `qkvlab.theory.convert.convert` (which refuses, with
-the violated hypothesis, anything outside PAPER.md section 2), compares both models on held-out
+the violated hypothesis, anything outside docs/paper.md section 2), compares both models on held-out
 validation windows in float64, and writes the converted model as a regular checkpoint that
 `qkvlab eval`, `qkvlab sample` and training can read.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import math
-import shutil
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.model.gpt import GPT
+from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
 from qkvlab.theory.convert import TARGETS, ConversionReport, convert
 
 DEFAULT_WINDOWS = 16  # float64 forward passes on CPU: enough windows to see any mismatch
@@ -57,19 +58,6 @@ def compare_models(a: GPT, b: GPT, x: torch.Tensor, y: torch.Tensor,
     return Comparison(int(x.size(0)), worst, loss_a / count, loss_b / count)
 
 
-def _out_dir(out_arg: str | Path | None, ckpt_path: Path, run_dir: Path, to: str) -> Path:
-    from qkvlab.train.checkpoint import is_checkpoint_dir
-
-    out = Path(out_arg).expanduser() if out_arg else run_dir / f"converted-{to}"
-    if out.resolve() == ckpt_path.resolve():
-        raise QkvlabError(f"--out {out} is the source checkpoint: choose another folder")
-    if out.exists() and not (out.is_dir() and is_checkpoint_dir(out)):
-        # write_checkpoint replaces its destination: never let it replace a foreign folder
-        raise QkvlabError(f"--out {out} exists and is not a qkvlab checkpoint folder: choose a "
-                          "new folder")
-    return out
-
-
 @dataclasses.dataclass
 class ConvertResult:
     """Where the converted checkpoint went and how close it is to the source.
@@ -89,13 +77,11 @@ def convert_checkpoint(path: str | Path, to: str = "q-identity", out: str | Path
                        *, windows: int | None = None, data_dir: str | None = None,
                        ) -> ConvertResult:
     """Convert a checkpoint, compare on held-out windows, write the converted checkpoint."""
-    from qkvlab.train.checkpoint import load_model, write_checkpoint
-    from qkvlab.train.trainer import TOKENIZER_DIR, check_vocab, open_data
-
     if to not in TARGETS:
         raise QkvlabError(f"--to {to!r} is not one of {', '.join(TARGETS)}")
     model, ckpt = load_model(path, "cpu")
-    dest = _out_dir(out, ckpt.path, ckpt.run_dir, to)
+    dest = checkpoint_out_dir(out, ckpt.run_dir / f"converted-{to}", ckpt.path,
+                              "the source checkpoint")
     new, report = convert(model, to)  # refuses (QkvlabError) outside the theorems
     exact64, _ = convert(model, to, dtype=torch.float64)
 
@@ -126,33 +112,6 @@ def convert_checkpoint(path: str | Path, to: str = "q-identity", out: str | Path
     }
     write_checkpoint(dest, new, new_cfg, state=state)
     # Sampling looks for the run's tokenizer next to the checkpoint: bring a copy along.
-    src_tok = ckpt.run_dir / TOKENIZER_DIR
-    if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
-        shutil.copytree(src_tok, dest / TOKENIZER_DIR)
+    carry_tokenizer(ckpt, dest)
     eps = torch.finfo(next(new.parameters()).dtype).eps
     return ConvertResult(dest, report, saved, exact, eps)
-
-
-def convert_command(args: argparse.Namespace) -> int:
-    """Convert, report parameters saved and the max logit difference on held-out data."""
-    to = getattr(args, "to", "q-identity") or "q-identity"
-    result = convert_checkpoint(
-        args.path, to, getattr(args, "out", None), windows=getattr(args, "windows", None),
-        data_dir=getattr(args, "data", None))
-    dest, report, saved, exact = result.dest, result.report, result.saved, result.exact
-    before, after = saved.val_loss_before, saved.val_loss_after
-    print(f"converted {args.path} -> {dest} ({to})")
-    print(f"theorem: {report.theorem}")
-    for note in report.notes:
-        print(f"  note: {note}")
-    print(f"parameters: {report.params_before:,} -> {report.params_after:,} "
-          f"(saved {report.params_saved:,}); max condition number {report.max_condition:.3g}")
-    print(f"max |logit diff| on {saved.windows} held-out windows (float64): "
-          f"{saved.max_logit_diff:.3e} as saved; {exact.max_logit_diff:.3e} before rounding to "
-          "the checkpoint dtype")
-    print(f"val loss: {before:.6f} -> {after:.6f} (|diff| {abs(after - before):.2e})")
-    if report.max_condition * result.eps > 1e-4:
-        print(f"  note: condition number {report.max_condition:.3g}: storing W^-1 W_P in the "
-              f"checkpoint dtype loses about {math.log10(report.max_condition):.0f} digits, "
-              "hence the gap between the two logit differences")
-    return 0

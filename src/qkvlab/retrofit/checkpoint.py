@@ -4,22 +4,22 @@ the healed model as a regular checkpoint."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
 from qkvlab.retrofit.heal import HealConfig, HealResult, heal
 from qkvlab.retrofit.init import INITS, InitInfo, attention_moments, build_student, check_source
+from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.device import evaluate, resolve_device
+from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
 
 TARGETS = ("q-identity",)
 MAX_DEFAULT_WINDOWS = 128
@@ -82,18 +82,6 @@ class RetrofitReport:
         return "\n".join(lines)
 
 
-def _out_dir(out: str | Path | None, ckpt_path: Path, run_dir: Path, to: str) -> Path:
-    from qkvlab.train.checkpoint import is_checkpoint_dir
-
-    dest = Path(out).expanduser() if out else run_dir / f"retrofit-{to}"
-    if dest.resolve() == ckpt_path.resolve():
-        raise QkvlabError(f"--out {dest} is the source checkpoint: choose another folder")
-    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
-        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose a "
-                          "new folder")
-    return dest
-
-
 def retrofit_checkpoint(
     path: str | Path,
     *,
@@ -110,14 +98,6 @@ def retrofit_checkpoint(
     log: Callable[[str], None] | None = print,
 ) -> RetrofitReport:
     """Load, convert with `init`, heal, and (with `write`) save the healed checkpoint."""
-    from qkvlab.train.checkpoint import load_model
-    from qkvlab.train.trainer import (
-        check_vocab,
-        evaluate,
-        open_data,
-        resolve_device,
-    )
-
     if to not in TARGETS:
         raise QkvlabError(f"--to {to!r} is not one of {', '.join(TARGETS)}")
     if init not in INITS:
@@ -127,7 +107,8 @@ def retrofit_checkpoint(
     dev = resolve_device(device)
     teacher, ckpt = load_model(path, dev)
     check_source(teacher, init)
-    dest = _out_dir(out, ckpt.path, ckpt.run_dir, to) if write else None
+    dest = checkpoint_out_dir(out, ckpt.run_dir / f"retrofit-{to}", ckpt.path,
+                              "the source checkpoint") if write else None
     cfg = ckpt.config
     hc = heal_config or HealConfig(batch_size=cfg.train.batch_size, lr=3 * cfg.optim.min_lr)
     data_cfg = cfg.data if not data_dir else dataclasses.replace(cfg.data, dir=str(data_dir))
@@ -175,52 +156,10 @@ def retrofit_checkpoint(
 
 def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport) -> Path:
     """Save the healed model as a regular checkpoint (with the report in state.json)."""
-    from qkvlab.train.checkpoint import write_checkpoint
-    from qkvlab.train.trainer import TOKENIZER_DIR
-
     new_cfg = dataclasses.replace(ckpt.config, model=student.cfg)
     state = {"step": ckpt.step, "kind": "retrofit", "val_loss": report.after_heal,
              "retrofit": report.as_dict()}
     write_checkpoint(dest, student, new_cfg, state=state)
-    src_tok = ckpt.run_dir / TOKENIZER_DIR
-    if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
-        shutil.copytree(src_tok, dest / TOKENIZER_DIR)  # so `qkvlab sample` finds it
+    carry_tokenizer(ckpt, dest)  # so `qkvlab sample` finds it
     report.dest = dest
     return dest
-
-
-def retrofit_command(args: argparse.Namespace) -> int:
-    """Run the retrofit and print the loss table."""
-    from qkvlab.train.checkpoint import read_checkpoint
-
-    ckpt = read_checkpoint(args.path)
-    run = ckpt.config
-    hc = HealConfig(
-        steps=args.steps,
-        batch_size=args.batch_size or run.train.batch_size,
-        lr=args.lr if args.lr is not None else 3 * run.optim.min_lr,
-        weight_decay=run.optim.weight_decay, beta1=run.optim.beta1, beta2=run.optim.beta2,
-        grad_clip=run.optim.grad_clip, distill=args.distill, eval_every=args.eval_every,
-        seed=args.seed)
-    torch.manual_seed(args.seed)
-    report = retrofit_checkpoint(
-        args.path, to=args.to, init=args.init, heal_config=hc, out=args.out,
-        windows=args.windows, calib_batches=args.calib_batches,
-        compare_inits=args.compare_inits, data_dir=args.data)
-    print(f"retrofit {report.source} -> {report.dest} ({args.to}, init {report.init}, "
-          f"{hc.steps} {'distillation' if hc.distill else 'cross-entropy'} steps, "
-          f"{report.heal_result.seconds:.0f} s)")
-    print(f"parameters: {report.params_before:,} -> {report.params_after:,}")
-    if report.init_info.query_r2:
-        r2 = " ".join(f"{v:.2f}" for v in report.init_info.query_r2)
-        print(f"query variance explained by each head's own slice, per layer: {r2}")
-    print(f"val loss on {report.windows} windows x {report.block_size} tokens:")
-    print(report.table())
-    gap0, gap1 = report.after_convert - report.before, report.after_heal - report.before
-    if hc.steps == 0:
-        print(f"gap to the original: {gap0:+.4f} after conversion (no healing: --steps 0)")
-        return 0
-    closed = 100 * (1 - gap1 / gap0) if gap0 > 0 else math.nan
-    print(f"gap to the original: {gap0:+.4f} after conversion, {gap1:+.4f} after healing "
-          f"({closed:.0f}% closed; with CE healing part of it is just extra training)")
-    return 0

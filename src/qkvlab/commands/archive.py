@@ -1,0 +1,33 @@
+"""`qkvlab archive`: copy a sweep's records without its checkpoints (to commit results)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qkvlab.commands.common import Subparsers, register
+
+
+@dataclass
+class ArchiveOptions:
+    sweep_dir: str
+    dest: str
+
+
+def run_archive(opts: ArchiveOptions) -> int:
+    """Copy the records and say how many runs they cover."""
+    from pathlib import Path
+
+    from qkvlab.experiments.archive import archive_sweep
+
+    src, dest = Path(opts.sweep_dir), Path(opts.dest)
+    n = archive_sweep(src, dest)
+    print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)")
+    return 0
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("archive", help="copy a sweep's records without its checkpoints "
+                                       "(to commit results)")
+    p.add_argument("sweep_dir", help="the sweep folder")
+    p.add_argument("dest", help="where the copy goes (created; existing records are replaced)")
+    register(p, ArchiveOptions, run_archive)

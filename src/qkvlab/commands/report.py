@@ -1,0 +1,68 @@
+"""`qkvlab report`: the Markdown report and plots of a sweep, with paired statistics."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qkvlab.commands.common import Subparsers, add_overrides, register
+
+
+@dataclass
+class ReportOptions:
+    spec_or_dir: str
+    runs: str | None = None
+    out: str | None = None
+    per_window: bool = False
+    versus: str | None = None
+    overrides: list[str] = field(default_factory=list)
+
+    def command_line(self, out: Path) -> str:
+        """The canonical command line of this report, recorded in it."""
+        parts = ["qkvlab", "report", str(self.spec_or_dir)]
+        if self.runs:
+            parts += ["--runs", str(self.runs)]
+        parts += ["--out", str(out)]
+        if self.per_window:
+            parts.append("--per-window")
+        if self.versus:
+            parts += ["--versus", self.versus]
+        for item in self.overrides:
+            parts += ["--set", item]
+        return " ".join(shlex.quote(p) for p in parts)
+
+
+def run_report(opts: ReportOptions) -> int:
+    """Write the report and print each variant's verdict against the reference."""
+    from qkvlab.experiments.render import verdict
+    from qkvlab.experiments.report import build_report, write_report
+    from qkvlab.experiments.spec import load_spec
+
+    spec = load_spec(opts.spec_or_dir)
+    sweep_dir = Path(opts.runs) if opts.runs else spec.default_out
+    out = Path(opts.out) if opts.out else sweep_dir / "report"
+    rep = build_report(spec, sweep_dir, per_window=opts.per_window,
+                       overrides=list(opts.overrides), versus=opts.versus)
+    path = write_report(rep, out, opts.command_line(out))
+    for g in rep.groups:
+        if g is not rep.baseline:
+            print(verdict(g, rep.ref))
+    print(f"report: {path}")
+    return 0
+
+
+def add_parser(sub: Subparsers) -> None:
+    p = sub.add_parser("report", help="Markdown report and plots of a sweep: paired statistics")
+    p.add_argument("spec_or_dir", help="sweep folder, or a spec (its runs in --runs or the "
+                                       "spec's default folder)")
+    p.add_argument("--runs", default=None, help="sweep folder when a spec is given")
+    p.add_argument("--out", default=None, help="report folder (default SWEEP/report)")
+    p.add_argument("--per-window", action="store_true",
+                   help="also score each final checkpoint per validation window (secondary "
+                        "paired view; loads the checkpoints)")
+    p.add_argument("--versus", default=None, metavar="VARIANT",
+                   help="pair every variant against this one instead of the spec's baseline "
+                        "(e.g. nonlinear-q vs a wider-MLP control)")
+    add_overrides(p)
+    register(p, ReportOptions, run_report)

@@ -1,0 +1,159 @@
+"""The report's figures: validation curves, the paired relative difference, and final loss
+against a weight-decay or learning-rate grid. Written with matplotlib's Agg backend (no display)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from qkvlab.experiments.results import GroupResult, Report
+from qkvlab.experiments.stats import summarize
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """Steps common to all curves, the mean and the sample std (0 for one curve)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    means, stds = [], []
+    for s in steps:
+        st = summarize([c[s] for c in curves])
+        means.append(st.mean)
+        stds.append(st.std or 0.0)
+    return steps, means, stds
+
+
+def _band(ax, steps: list[int], mean: list[float], std: list[float], color) -> None:
+    """Shade mean +- std around a curve, in the curve's colour."""
+    ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
+                    [m + s for m, s in zip(mean, std, strict=True)], color=color, alpha=0.2, lw=0)
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_curves(rep: Report, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    top = None
+    for g in rep.groups:
+        curves = [r.curve for r in g.runs if r.status == "done"]
+        steps, mean, std = _mean_band(curves)
+        if not steps:
+            continue
+        line, = ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
+                        lw=2.0 if g.group.baseline else 1.3)
+        if len(curves) > 1:
+            _band(ax, steps, mean, std, line.get_color())
+        # zoom past the first evals: the interesting part is where curves are close
+        later = mean[len(mean) // 5:] or mean
+        top = max(top or -math.inf, max(later))
+    ax.set(xlabel="step", ylabel="validation loss",
+           title=f"{rep.spec.name}: validation loss (mean, band = +-1 std over seeds)")
+    if top is not None and math.isfinite(top):
+        ax.set_ylim(top=top)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], list[float], int]:
+    """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds."""
+    base = {r.seed: r.curve for r in rep.baseline.runs if r.status == "done"}
+    rels = []
+    for r in g.runs:
+        if r.status != "done" or r.seed not in base:
+            continue
+        b = base[r.seed]
+        rels.append({s: 100.0 * (v - b[s]) / b[s] for s, v in r.curve.items()
+                     if s in b and s > 0 and b[s]})  # step 0: the initial weights only
+    steps, mean, std = _mean_band(rels)
+    return steps, mean, std, len(rels)
+
+
+def plot_rel(rep: Report, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for g in rep.groups:
+        if g is rep.baseline:
+            continue
+        steps, mean, std, n = rel_curves(rep, g)
+        if not steps:
+            continue
+        line, = ax.plot(steps, mean, label=f"{g.group.name} (n={n})")
+        if n > 1:
+            _band(ax, steps, mean, std, line.get_color())
+    ax.axhline(0, color="gray", lw=0.8)
+    ref = rep.baseline.group.name
+    ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
+           title=f"relative validation-loss difference vs {ref} (below 0: better)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: Path) -> None:
+    """Left: final loss (mean +- std over seeds) vs optim.<key> per family. Right: the paired
+    difference to the baseline (same seed) with its 95% interval, which removes the seed
+    spread that all groups share."""
+    plt = _pyplot()
+    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11.5, 4.5))
+    for fam, gs in fams.items():
+        pts = sorted(gs, key=lambda g: getattr(g.group.config.optim, key))
+        ok = [g for g in pts if g.loss.mean is not None]
+        xs = [getattr(g.group.config.optim, key) for g in ok]
+        line = ax.errorbar(xs, [g.loss.mean for g in ok], yerr=[g.loss.std or 0.0 for g in ok],
+                           marker="o", capsize=3, label=fam)
+        color = line[0].get_color()
+        dx, dy, lo, hi = _paired_points(rep, ok, key)
+        if dx:
+            ax_d.errorbar(dx, dy, yerr=[lo, hi], marker="o", capsize=3, color=color, label=fam)
+        bad = [getattr(g.group.config.optim, key) for g in pts
+               if any(r.status == "failed" for r in g.runs)]
+        if bad and ok:
+            ax.plot(bad, [max(g.loss.mean for g in ok)] * len(bad), "x", color="red", ms=9,
+                    label=f"{fam}: failed/diverged run(s)")
+    for a in (ax, ax_d):
+        if key == "weight_decay":
+            a.set_xscale("symlog", linthresh=1e-3)
+        else:
+            a.set_xscale("log")
+        a.grid(alpha=0.3, which="both")
+        a.legend(fontsize=8)
+    ax.set(xlabel=key, ylabel="final validation loss", title=f"final loss vs {key} "
+           "(mean +- std over seeds)")
+    ax_d.axhline(0, color="gray", lw=0.8)
+    ax_d.set(xlabel=key, ylabel=f"loss - {rep.baseline.group.name} (same seed)",
+             title=f"paired difference vs {rep.baseline.group.name} (95% CI)")
+    _save(plt, fig, path)
+
+
+def _paired_points(rep: Report, groups: list[GroupResult], key: str
+                   ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x, the paired mean difference and its interval's lower/upper error bar, for the groups
+    with a paired test (the reference itself sits at 0)."""
+    dx, dy, lo, hi = [], [], [], []
+    for g in groups:
+        x = getattr(g.group.config.optim, key)
+        if g is rep.baseline:
+            dx.append(x)
+            dy.append(0.0)
+            lo.append(0.0)
+            hi.append(0.0)
+        elif g.paired is not None and g.paired.mean is not None:
+            t = g.paired
+            dx.append(x)
+            dy.append(t.mean)
+            lo.append(t.mean - t.ci_low if t.ci_low is not None else 0.0)
+            hi.append(t.ci_high - t.mean if t.ci_high is not None else 0.0)
+    return dx, dy, lo, hi

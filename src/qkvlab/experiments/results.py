@@ -1,0 +1,154 @@
+"""The statistics of a sweep report, group by group: summaries over seeds and the paired
+tests against the reference group (the arithmetic is in qkvlab.experiments.stats)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkvlab.errors import QkvlabError
+from qkvlab.experiments.runs import RunData
+from qkvlab.experiments.spec import Group, Spec
+from qkvlab.experiments.stats import PairedTest, Summary, paired_t, relative, summarize
+
+CONFIDENCE = 0.95
+
+
+@dataclass
+class GroupResult:
+    group: Group
+    rule: str | None
+    params: dict[str, int]
+    tokens_per_run: int
+    runs: list[RunData]
+    loss: Summary
+    acc: Summary
+    tokens_per_s: Summary
+    paired: PairedTest | None = None  # vs the baseline, over seeds
+    paired_seeds: list[int] = field(default_factory=list)
+    baseline_mean: float | None = None  # the baseline's mean loss over the paired seeds
+    rel_pct: float | None = None
+    rel_ci: tuple[float | None, float | None] = (None, None)
+    window_test: PairedTest | None = None
+    window_rel_pct: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        g, m = self.group, self.group.config.model
+        return {
+            "group": g.name, "variant": g.variant, "family": g.family, "point": g.point,
+            "baseline": g.baseline, "rule": self.rule, "projection": m.projection,
+            "n_embd": m.n_embd, "mlp_hidden": m.hidden, "attn_scale": m.scale,
+            "weight_decay": g.config.optim.weight_decay, "lr": g.config.optim.lr,
+            **self.params, "tokens_per_run": self.tokens_per_run,
+            "final_val_loss": self.loss.as_dict(), "final_val_acc": self.acc.as_dict(),
+            "tokens_per_s": self.tokens_per_s.as_dict(),
+            "paired_vs_baseline": None if self.paired is None else {
+                **self.paired.as_dict(), "seeds": self.paired_seeds,
+                "baseline_mean": self.baseline_mean, "relative_pct": self.rel_pct,
+                "relative_ci_pct": list(self.rel_ci)},
+            "per_window_vs_baseline": None if self.window_test is None else {
+                **self.window_test.as_dict(), "relative_pct": self.window_rel_pct},
+        }
+
+
+@dataclass
+class Report:
+    spec: Spec
+    sweep_dir: Path
+    groups: list[GroupResult]
+    baseline: GroupResult  # the reference of the paired tests (the spec's, or --versus)
+    record: dict[str, Any]
+    per_window: bool
+
+    def runs(self) -> list[RunData]:
+        return [r for g in self.groups for r in g.runs]
+
+    @property
+    def ref(self) -> str:
+        """How the text names the reference of the paired tests: the spec's baseline, or the
+        variant `--versus` chose."""
+        return "the baseline" if self.baseline.group.baseline else self.baseline.group.name
+
+
+def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupResult:
+    """A group's parameter counts and its summaries over the seeds that finished."""
+    from qkvlab.model.params import count_params
+
+    done = [r for r in runs if r.status == "done"]
+    counts = count_params(group.config.model)
+    cfg = group.config
+    return GroupResult(
+        group=group, rule=rule,
+        params={"non_embedding_params": counts.non_embedding, "total_params": counts.total},
+        tokens_per_run=cfg.train.max_steps * cfg.tokens_per_step,
+        runs=runs,
+        loss=summarize([r.final_loss for r in done]),
+        acc=summarize([r.final_acc for r in done if r.final_acc is not None]),
+        tokens_per_s=summarize([r.tokens_per_s for r in done if r.tokens_per_s]),
+    )
+
+
+def pick_reference(results: list[GroupResult], versus: str | None, spec: Spec) -> GroupResult:
+    """The spec's baseline, or the group (or single-group variant) named by `versus`."""
+    if versus is None:
+        return next(g for g in results if g.group.baseline)
+    return _reference(results, versus, spec)
+
+
+def _reference(results: list[GroupResult], name: str, spec: Spec) -> GroupResult:
+    hits = [g for g in results if g.group.name == name] or \
+        [g for g in results if g.group.variant == name]
+    if len(hits) != 1:
+        names = ", ".join(g.group.name for g in results)
+        why = "names several groups" if hits else "is not a variant of"
+        raise QkvlabError(f"--versus {name} {why} spec {spec.name}: choose one of {names}")
+    return hits[0]
+
+
+def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> None:
+    """Fill in each group's paired tests against `baseline`, over the seeds both finished."""
+    base_by_seed = {r.seed: r for r in baseline.runs if r.status == "done"}
+    for g in results:
+        if g is baseline:
+            continue
+        pairs = [(r, base_by_seed[r.seed]) for r in g.runs
+                 if r.status == "done" and r.seed in base_by_seed]
+        if pairs:
+            _seed_test(g, pairs)
+            _window_test(g, pairs)
+
+
+def _seed_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
+    g.paired_seeds = [r.seed for r, _ in pairs]
+    g.paired = paired_t([r.final_loss - b.final_loss for r, b in pairs], CONFIDENCE)
+    g.baseline_mean = summarize([b.final_loss for _, b in pairs]).mean
+    g.rel_pct = relative(g.paired.mean, g.baseline_mean)
+    g.rel_ci = (relative(g.paired.ci_low, g.baseline_mean),
+                relative(g.paired.ci_high, g.baseline_mean))
+
+
+def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
+    """The secondary test: per window, the difference averaged over seeds, tested over windows."""
+    win = [(r.windows, b.windows) for r, b in pairs if r.windows and b.windows
+           and len(r.windows) == len(b.windows)]
+    if not win:
+        return
+    n = len(win[0][0])
+    per_window = [math.fsum(a[w] - b[w] for a, b in win) / len(win) for w in range(n)]
+    g.window_test = paired_t(per_window, CONFIDENCE)
+    base_mean = math.fsum(math.fsum(b) / len(b) for _, b in win) / len(win)
+    g.window_rel_pct = relative(g.window_test.mean, base_mean)
+
+
+def grid_families(rep: Report, key: str) -> dict[str, list[GroupResult]]:
+    """Every family (in spec order) when one of them spans two or more values of optim.<key>,
+    else nothing: a sweep without such a grid has no view of that key."""
+    fams: dict[str, list[GroupResult]] = {}
+    for g in rep.groups:
+        fams.setdefault(g.group.family, []).append(g)
+    if not any(len({getattr(g.group.config.optim, key) for g in gs}) > 1
+               for gs in fams.values()):
+        return {}
+    return fams

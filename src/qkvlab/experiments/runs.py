@@ -1,0 +1,158 @@
+"""The run folders of a sweep as the report reads them: curves, final losses, speed, status.
+
+Everything comes from the files a run leaves behind (metrics.jsonl, summary.json, failed.json,
+config.toml), so an archived sweep without checkpoints reads the same; only the per-window
+losses need the final checkpoint, and they are cached in the run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from qkvlab.errors import QkvlabError
+from qkvlab.experiments.spec import Group
+from qkvlab.experiments.stats import median_tokens_per_s
+from qkvlab.experiments.sweep import is_finished, read_json_record
+from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, REUSED_FILE, SUMMARY_FILE
+from qkvlab.run.metrics import read_metrics
+
+WINDOW_FILE = "window_losses.json"
+
+
+@dataclass
+class RunData:
+    """One run folder as the report sees it."""
+
+    group: str
+    seed: int
+    run_dir: Path
+    status: str  # done | partial | failed | pending
+    max_steps: int
+    steps: int = 0
+    curve: dict[int, float] = field(default_factory=dict)  # step -> val_loss
+    acc_curve: dict[int, float] = field(default_factory=dict)  # step -> val_acc (mlm)
+    final_loss: float | None = None
+    final_acc: float | None = None
+    tokens: int = 0
+    tokens_per_s: float | None = None
+    error: str = ""
+    diverged: bool = False
+    windows: list[float] | None = None  # per-window final losses (--per-window)
+    reused_from: str | None = None  # copied from another sweep by `qkvlab sweep --reuse`
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"group": self.group, "seed": self.seed, "run_dir": str(self.run_dir),
+                "status": self.status, "steps": self.steps, "max_steps": self.max_steps,
+                "final_val_loss": self.final_loss, "final_val_acc": self.final_acc,
+                "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
+                "error": self.error or None, "diverged": self.diverged,
+                "reused_from": self.reused_from}
+
+
+def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
+    max_steps = group.config.train.max_steps
+    data = RunData(group.name, seed, run_dir, "pending", max_steps)
+    records = read_metrics(run_dir, tolerant=True)  # a run killed mid-write reads too
+    for r in records:
+        if r.get("val_loss") is not None:
+            data.curve[r["step"]] = float(r["val_loss"])
+        if r.get("val_acc") is not None:
+            data.acc_curve[r["step"]] = float(r["val_acc"])
+    data.steps = max((r["step"] for r in records), default=0)
+    data.tokens_per_s = median_tokens_per_s(records)
+    summary = read_json_record(run_dir / SUMMARY_FILE)
+    failed = read_json_record(run_dir / FAILED_FILE)
+    done = is_finished(summary, max_steps)
+    if done:
+        data.status = "done"
+        data.steps = int(summary["steps"])
+        # the eval at the last step; the summary's copy when metrics.jsonl lacks it
+        data.final_loss = data.curve.get(data.steps, summary.get("final_val_loss"))
+        data.final_acc = data.acc_curve.get(data.steps)
+        if data.final_loss is None or not math.isfinite(data.final_loss):
+            data.status, data.final_loss = "failed", None
+            data.error = "no finite final validation loss"
+    elif failed:
+        data.status = "failed"
+        data.error = str(failed.get("error", ""))
+        data.diverged = bool(failed.get("diverged"))
+    elif records:
+        data.status = "partial"
+    data.tokens = data.steps * _tokens_per_step(run_dir, group)
+    data.reused_from = (read_json_record(run_dir / REUSED_FILE) or {}).get("from")
+    return data
+
+
+def _tokens_per_step(run_dir: Path, group: Group) -> int:
+    cfg = run_config(run_dir, group)
+    return cfg.tokens_per_step
+
+
+def run_config(run_dir: Path, group: Group):
+    """The config the run was trained with (config.toml), else the spec's."""
+    from qkvlab.train.config import load_config
+
+    path = run_dir / CONFIG_FILE
+    if path.is_file():
+        try:
+            return load_config(path)
+        except QkvlabError:
+            pass
+    return group.config
+
+
+def find_seeds(group_dir: Path) -> list[int]:
+    """The seeds that have a folder under a group (a sweep may add seeds later)."""
+    seeds = []
+    if group_dir.is_dir():
+        for p in group_dir.iterdir():
+            if p.is_dir() and p.name.startswith("seed-") and p.name[5:].isdigit():
+                seeds.append(int(p.name[5:]))
+    return sorted(seeds)
+
+
+def per_window_losses(run: RunData, group: Group) -> list[float] | None:
+    """The final checkpoint's loss on each fixed validation window (cached in the run folder)."""
+    import torch
+
+    from qkvlab.run.device import resolve_device
+    from qkvlab.run.layout import list_checkpoints
+    from qkvlab.run.load import load_model, open_data
+    from qkvlab.run.store import read_checkpoint
+    from qkvlab.train import objectives
+
+    cfg = run_config(run.run_dir, group)
+    if run.status != "done":
+        return None
+    key = {"windows": cfg.train.eval_windows, "block_size": cfg.model.block_size,
+           "objective": cfg.train.objective}
+    cache = read_json_record(run.run_dir / WINDOW_FILE)
+    cached = None
+    if cache and cache.get("step") == run.max_steps and all(cache.get(k) == v
+                                                            for k, v in key.items()):
+        cached = [float(v) for v in cache["losses"]]
+    ckpts = list_checkpoints(run.run_dir)
+    if not ckpts:  # an archived sweep (qkvlab archive): the cached losses stand in
+        return cached
+    ckpt = read_checkpoint(ckpts[-1])
+    if ckpt.step != run.max_steps:
+        return None
+    if cached is not None:
+        return cached
+    device = resolve_device("auto")
+    model, _ = load_model(ckpt.path, device)
+    data = open_data(cfg.data, lambda _m: None)
+    x, y = data.val_windows(cfg.train.eval_windows, cfg.model.block_size)
+    x, y = objectives.eval_inputs(cfg, data.vocab_size, x, y)
+    with torch.inference_mode():
+        losses = objectives.window_losses(model, x, y, cfg.train.eval_batch_size
+                                          or cfg.train.batch_size, device, cfg.train.dtype)
+    from qkvlab.fsutil import write_text_atomic
+
+    write_text_atomic(run.run_dir / WINDOW_FILE, json.dumps(
+        {"step": ckpt.step, **key, "losses": losses}) + "\n")
+    return losses

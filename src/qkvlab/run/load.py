@@ -1,0 +1,106 @@
+"""What the tools take from a run: its model, its data, its tokenizer.
+
+`load_model` reads a checkpoint into a GPT; `open_data` opens (or prepares) the run's data and
+`check_vocab` checks the model covers it; the tokenizer is copied into the run when training
+starts (`copy_tokenizer`), found again from a checkpoint (`find_tokenizer_dir`,
+`run_tokenizer`) and carried along to checkpoints derived from a run (`carry_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from qkvlab.data.loader import TokenData
+from qkvlab.data.prepare import prepare
+from qkvlab.data.tokenizer import Tokenizer, load_tokenizer
+from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import write_text_atomic
+from qkvlab.model import GPT
+from qkvlab.run.checkpoint import Checkpoint, load_model_state
+from qkvlab.run.layout import TOKENIZER_DIR, TOKENIZER_META
+from qkvlab.run.store import read_checkpoint
+from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Checkpoint]:
+    """(model in eval mode on `device`, checkpoint) from a run folder or checkpoint folder."""
+    ckpt = read_checkpoint(path)
+    model = GPT(ckpt.config.model)
+    load_model_state(model, ckpt)
+    model.to(device)
+    model.eval()
+    return model, ckpt
+
+
+def open_data(dc: DataConfig, log=print) -> TokenData:
+    """The run's prepared data; the embedded corpus is prepared on first use."""
+    data_dir = Path(dc.dir)
+    if not (data_dir / "meta.json").is_file():
+        if dc.prepare_if_missing and dc.source == EMBEDDED_SOURCE:
+            log(f"preparing {dc.source} with the {dc.tokenizer} tokenizer into {data_dir}")
+            prepare(dc.source, dc.tokenizer, data_dir)
+        else:
+            raise QkvlabError(f"no prepared data at {data_dir}: run `{dc.prepare_hint()}`")
+    data = TokenData(data_dir)
+    if data.meta.get("tokenizer") != dc.tokenizer:
+        raise QkvlabError(
+            f"data dir {data_dir} was prepared with tokenizer {data.meta.get('tokenizer')} but "
+            f"the config says data.tokenizer = {dc.tokenizer}: fix data.tokenizer or data.dir"
+        )
+    return data
+
+
+def check_vocab(cfg: RunConfig, data: TokenData) -> None:
+    """The model's vocabulary must cover every id of the data (padding above it is fine)."""
+    if cfg.model.vocab_size < data.vocab_size:
+        raise QkvlabError(
+            f"model.vocab_size = {cfg.model.vocab_size} is smaller than the vocabulary of the "
+            f"data in {data.data_dir} ({data.vocab_size} tokens, tokenizer "
+            f"{data.meta.get('tokenizer')}): use --set model.vocab_size={data.vocab_size} "
+            "(or larger, e.g. padded to a multiple of 64)"
+        )
+
+
+# ---- the tokenizer ------------------------------------------------------------------------
+def copy_tokenizer(data: TokenData, run_dir: Path) -> None:
+    """Copy meta.json and the tokenizer tables into the run, so sampling needs no data dir."""
+    dest = run_dir / TOKENIZER_DIR
+    dest.mkdir(exist_ok=True)
+    names = [TOKENIZER_META, *data.meta.get("tokenizer_files", [])]
+    for name in names:
+        src = data.data_dir / name
+        if src.is_file():
+            write_text_atomic(dest / name, src.read_text(encoding="utf-8"))
+
+
+def find_tokenizer_dir(ckpt: Any) -> Path | None:
+    """The folder with a checkpoint's tokenizer meta.json: its run's copy, one next to the
+    checkpoint, else the data dir it was trained on; None when there is none."""
+    for folder in (ckpt.run_dir / TOKENIZER_DIR, ckpt.path / TOKENIZER_DIR,
+                   Path(ckpt.config.data.dir)):
+        if (folder / TOKENIZER_META).is_file():
+            return folder
+    return None
+
+
+def run_tokenizer(ckpt: Checkpoint) -> Tokenizer:
+    """The tokenizer a run trained with: its own copy, else the data dir's."""
+    folder = find_tokenizer_dir(ckpt)
+    if folder is not None:
+        return load_tokenizer(folder)
+    raise QkvlabError(
+        f"cannot find the tokenizer of {ckpt.path} (no {TOKENIZER_DIR}/ in its run and no data "
+        f"at {ckpt.config.data.dir}): run `{ckpt.config.data.prepare_hint()}`"
+    )
+
+
+def carry_tokenizer(ckpt: Checkpoint, dest: Path) -> None:
+    """Copy the run's tokenizer next to a checkpoint derived from it (converted, retrofitted),
+    where sampling looks for it; one already there is kept."""
+    src_tok = ckpt.run_dir / TOKENIZER_DIR
+    if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
+        shutil.copytree(src_tok, dest / TOKENIZER_DIR)

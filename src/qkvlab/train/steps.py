@@ -1,0 +1,221 @@
+"""The steps of the training loop, each a plain function of the session (train/session.py).
+
+`train_step` is one optimizer step; `run_eval` measures the fixed validation windows and keeps
+the best checkpoint (`keep_best`); `save` writes a regular checkpoint; `log_step` records a
+step; `check_divergence` stops a run that keeps failing; `summary` is what a session reports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from qkvlab.data.loader import TokenData
+from qkvlab.errors import QkvlabError
+from qkvlab.model import GPT
+from qkvlab.perf import mfu
+from qkvlab.run import store
+from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.device import autocast, perplexity
+from qkvlab.run.layout import BEST_DIR
+from qkvlab.run.metrics import finite_or_null
+from qkvlab.train import distributed, objectives
+from qkvlab.train.config import RunConfig
+from qkvlab.train.optim import lr_at, set_lr
+from qkvlab.train.session import Session, TrainState
+
+
+def train_step(
+    fwd: torch.nn.Module,
+    model: GPT,
+    optimizer: torch.optim.Optimizer,
+    data: TokenData,
+    cfg: RunConfig,
+    step: int,
+    device: torch.device,
+    st: TrainState,
+    par: distributed.Parallel | None = None,
+) -> dict[str, Any]:
+    """One optimizer step (grad_accum micro-batches); a non-finite step is skipped.
+
+    Under torchrun `par` deals this process its share of the micro-batches (BatchPlan) and
+    syncs gradients once, after the last of them.
+    """
+    tc = cfg.train
+    if par is None:
+        plan = distributed.plan_batches(tc.batch_size, tc.grad_accum, 1, 0)
+        par = distributed.Parallel(model, distributed.DistContext(device), tc.parallel, False,
+                                   plan)
+    t0 = time.perf_counter()
+    lr = lr_at(step, cfg.optim, tc.max_steps)
+    set_lr(optimizer, lr)
+    loss_sum = torch.zeros((), device=device)
+    micros = par.micro_steps()  # one process: micro-steps 0..grad_accum-1, whole
+    for i, micro in enumerate(micros):
+        x, y = data.train_batch(step, micro.index, micro.rows, cfg.model.block_size, tc.seed,
+                                micro.part, micro.parts)
+        x, y = objectives.train_inputs(cfg, data.vocab_size, x, y, step, micro.index, micro.part,
+                                       micro.parts)  # clm: unchanged; mlm: masked
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        with par.grad_sync(i == len(micros) - 1):
+            with autocast(device, tc.dtype):
+                _, loss = fwd(x, y)
+            (loss / len(micros)).backward()
+        loss_sum += loss.detach()
+    # clip_grad_norm_ with an infinite bound only measures: the norm is logged either way
+    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+    grad_norm = par.clip_grad_norm(max_norm)  # the global norm, the same on every process
+    train_loss = par.mean_loss(loss_sum)
+    finite = math.isfinite(train_loss) and math.isfinite(grad_norm)
+    if finite:
+        optimizer.step()
+        st.nonfinite = 0
+    else:
+        st.nonfinite += 1  # skip the update: the weights stay as they were
+        st.skipped += 1
+    optimizer.zero_grad(set_to_none=True)
+    dt = time.perf_counter() - t0  # float(loss) above synchronised the device
+    return _account(st, cfg, step, dt, lr, train_loss if finite else None, grad_norm)
+
+
+def _account(st: TrainState, cfg: RunConfig, step: int, dt: float, lr: float,
+             loss: float | None, grad_norm: float) -> dict[str, Any]:
+    """Add a step's time and tokens to the state; the step's record."""
+    st.history.append(dt)
+    del st.history[:-100]
+    tokens = cfg.tokens_per_step
+    st.session_tokens += tokens
+    st.session_time += dt
+    st.window_tokens += tokens
+    st.window_time += dt
+    return {
+        "tokens": (step + 1) * tokens,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
+        "tokens_per_s": st.window_tokens / st.window_time if st.window_time > 0 else 0.0,
+    }
+
+
+# ---- evaluation and checkpoints -----------------------------------------------------------
+def val_loss(s: Session, rec: dict[str, Any]) -> float:
+    """The loss on the fixed validation windows (an encoder also adds val_acc to `rec`)."""
+    tc = s.cfg.train
+    if tc.objective == "mlm":  # masked-token loss, and accuracy (train/objectives.py)
+        val, rec["val_acc"] = objectives.evaluate_masked(s.par, s.val_x, s.val_y,
+                                                         s.eval_batch_size, tc.dtype)
+        return val
+    return s.par.evaluate(s.val_x, s.val_y, s.eval_batch_size, tc.dtype)
+
+
+def run_eval(s: Session, step: int, rec: dict[str, Any]) -> None:
+    """Evaluate after `step`: into `rec`, the display, TensorBoard and best/."""
+    val = val_loss(s, rec)
+    rec["val_loss"], rec["val_ppl"] = val, perplexity(val)
+    s.st.last_val_loss = val
+    ppl = perplexity(val)
+    s.reporter.line(f"step {step} | val loss {val:.4f} | val ppl "
+                    f"{ppl if ppl is not None else math.nan:.2f}")
+    if s.tb is not None:
+        s.tb.add_scalar("val/loss", val, step)
+    keep_best(s, step, val)
+
+
+def keep_best(s: Session, step: int, val: float) -> None:
+    """Write best/ when `val` beats every earlier eval; step 0's eval only sets the bar."""
+    st = s.st
+    if step > 0 and val < st.best_val_loss:
+        st.best_val_loss = val
+        s.par.save(lambda m, _o, extra: write_checkpoint(
+            s.run_dir / BEST_DIR, m, s.cfg,
+            state={**ckpt_state(s, step), **extra, "kind": "best"}), None)
+    elif step == 0:
+        st.best_val_loss = min(st.best_val_loss, val)
+
+
+def ckpt_state(s: Session, step: int) -> dict[str, Any]:
+    """The loop's part of a checkpoint's state.json after `step`."""
+    tc, st = s.cfg.train, s.st
+    return {"step": step, "tokens": step * s.cfg.tokens_per_step,
+            "best_val_loss": st.best_val_loss, "val_loss": st.last_val_loss,
+            "world_size": s.ctx.world_size, "parallel": s.par.mode,
+            # batches are a pure function of these: a resume continues the same stream
+            "data_stream": {"seed": tc.seed, "next_step": step, **s.plan.as_dict()},
+            "skipped_steps": st.skipped}
+
+
+def save(s: Session, step: int) -> None:
+    """A regular checkpoint after `step` (every process takes part: FSDP gathers shards)."""
+    tc, st = s.cfg.train, s.st
+    st.last_ckpt = s.par.save(lambda m, o, extra: store.save_checkpoint(
+        s.run_dir, step, m, o, s.cfg, {**ckpt_state(s, step), **extra}, tc.keep_last),
+        s.optimizer)
+    if st.nonfinite == 0:
+        st.last_good = st.last_ckpt
+
+
+# ---- after each step ----------------------------------------------------------------------
+def check_divergence(s: Session, rec: dict[str, Any], done: int) -> None:
+    """Stop with a QkvlabError after max_nonfinite non-finite steps in a row."""
+    st = s.st
+    if rec["loss"] is None and st.nonfinite >= s.cfg.train.max_nonfinite:
+        where = (f"the last good checkpoint is {st.last_good}" if st.last_good
+                 else "no good checkpoint was saved")
+        # `done` is the step number metrics.jsonl and ckpt-* folders use
+        raise QkvlabError(
+            f"training diverged: non-finite loss or gradient for {st.nonfinite} consecutive "
+            f"steps (the last at step {done}); {where}: lower optim.lr, raise "
+            "optim.warmup_steps or use train.dtype=fp32"
+        )
+
+
+def log_step(s: Session, done: int, rec: dict[str, Any]) -> None:
+    """Progress, TensorBoard, the eval when due, and metrics.jsonl for step `done`."""
+    tc, st = s.cfg.train, s.st
+    recent = st.history[-20:]
+    eta = (tc.max_steps - done) * (sum(recent) / len(recent)) if recent else math.inf
+    is_eval = done % tc.eval_interval == 0 or done == tc.max_steps
+    is_log = done % tc.log_interval == 0 or is_eval or rec["loss"] is None
+    if is_log:
+        rec["mfu"] = mfu(s.fpt, rec["tokens_per_s"], s.peak)
+        st.window_tokens, st.window_time = 0, 0.0
+        if s.tb is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+                if rec.get(key) is not None:
+                    s.tb.add_scalar(f"train/{key}", rec[key], done)
+    s.reporter.step(done, tc.max_steps, rec, eta, is_log)
+    if is_eval:
+        run_eval(s, done, rec)
+    if is_log:
+        s.metrics.write({"step": done, **rec})
+
+
+def summary(s: Session, interrupted: bool) -> dict[str, Any]:
+    """What the session did (summary.json); non-finite values are null."""
+    st, tc = s.st, s.cfg.train
+    tps = st.session_tokens / st.session_time if st.session_time > 0 else 0.0
+    return finite_or_null({
+        "run_dir": str(s.run_dir),
+        "steps": st.step,
+        "tokens": st.step * s.cfg.tokens_per_step,
+        "final_val_loss": st.last_val_loss,
+        "final_val_ppl": perplexity(st.last_val_loss),
+        "best_val_loss": st.best_val_loss if math.isfinite(st.best_val_loss) else None,
+        "tokens_per_s": tps,
+        "mfu": mfu(s.fpt, tps, s.peak),
+        "peak_flops": s.peak,
+        "params": s.params.total,
+        "non_embedding_params": s.params.non_embedding,
+        "flops_per_token": s.fpt,
+        "train_time_s": st.session_time,
+        "resumed_from": s.start_step if s.ckpt is not None else None,
+        "interrupted": interrupted,
+        "device": s.device.type,
+        "dtype": tc.dtype,
+        "checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
+        "skipped_steps": st.skipped,
+        "world_size": s.ctx.world_size,
+    })
