@@ -1,9 +1,9 @@
 """One rich Console for the commands' tables, and the one way they print them: whole.
 
 A table never cuts or wraps a number or a name. To a file or pipe it is written at the width it
-needs; on a terminal too narrow for it, it is printed transposed (its columns as rows, so a
-table of a few wide rows becomes a narrow one), and only if even that does not fit, at its
-natural width, which the terminal wraps as lines but which still holds every digit.
+needs; on a terminal too narrow for it, it is printed transposed when that is narrower (its
+columns as rows, so a table of a few wide rows becomes a narrow one), and where even that does
+not fit, at its natural width: the terminal wraps the lines, but every digit is there.
 """
 
 from __future__ import annotations
@@ -55,10 +55,11 @@ def print_table(table: Table, console: Console | None = None) -> None:
     """Print `table` with every number and name whole (see the module docstring)."""
     console = console or table_console()
     width = needed_width(table, console)
-    if console.is_terminal and width > console.width:
+    if console.is_terminal and width > console.width and table.row_count:
         flipped = transposed(table)
-        if needed_width(flipped, console) <= console.width:
-            table, width = flipped, needed_width(flipped, console)
+        flipped_width = needed_width(flipped, console)
+        if flipped_width < width:  # the narrower layout: it fits, or wraps the least
+            table, width = flipped, flipped_width
     if width <= console.width:
         console.print(table)
         return

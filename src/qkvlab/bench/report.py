@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qkvlab.bench.timing import Spread, median_interval
+from qkvlab.console import print_table
 
 
 def share_of(speedup: float, ideal: float) -> float | None:
@@ -140,7 +141,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
         t.add_row(name, si(d["params"]["total"]), si(d["flops_per_token"]), si(tps["median"]),
                   f"±{50 * spread:.1f}%", seconds(tr["step_s"]["median"]),
                   f"{100 * tr['mfu']:.1f}%", binary(tr["peak_memory_bytes"]))
-    console.print(t)
+    print_table(t, console)
     if s["device"].startswith("cpu"):
         console.print(f"[dim]peak memory per scheme is n/a on CPU (no allocator counter); "
                       f"process max RSS {binary(m['process_max_rss_bytes'])}")
@@ -163,7 +164,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
                   f"{v['ratio_of_medians']:.3f}", share,
                   f"{100 * share_ci[0]:.0f}% to {100 * share_ci[1]:.0f}%" if share_ci else "n/a")
     if summary["versus_reference"]:
-        console.print(t)
+        print_table(t, console)
     if summary["baseline_mfu"] is not None:
         console.print(f"baseline MFU: {100 * summary['baseline_mfu']:.1f}% of "
                       f"{si(summary['peak_flops'], 'FLOP/s')} ({summary['peak_source']})")
@@ -201,7 +202,7 @@ def _print_inference(results: dict[str, Any], console: Console) -> None:
                       ctx, si(c["prefill_tokens_per_s"]), si(c["decode_tokens_per_s"]),
                       si(c["decode_no_cache_tokens_per_s"]), f"{c['cache_speedup']:.1f}x")
         t.add_section()
-    console.print(t)
+    print_table(t, console)
 
     gens = {name: d["inference"]["generate"] for name, d in schemes.items()
             if "generate" in d["inference"]}
@@ -214,4 +215,4 @@ def _print_inference(results: dict[str, Any], console: Console) -> None:
         for name, g in gens.items():
             t.add_row(name, si(g["cached_tokens_per_s"]), si(g["no_cache_tokens_per_s"]),
                       f"{g['cache_speedup']:.1f}x")
-        console.print(t)
+        print_table(t, console)

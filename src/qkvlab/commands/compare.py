@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shlex
+import shutil
+import signal
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,12 +37,22 @@ class CompareOptions:
             raise QkvlabError(f"unknown preset {self.preset!r}; choose one of "
                               f"{', '.join(PRESETS)}")
 
+    def command_line(self) -> str:
+        """The command that resumes this comparison (finished runs are reused)."""
+        parts = ["qkvlab", "compare", "--preset", self.preset, "--out", self.out]
+        if self.steps is not None:
+            parts += ["--steps", str(self.steps)]
+        if self.seed is not None:
+            parts += ["--seed", str(self.seed)]
+        for item in self.overrides:
+            parts += ["--set", item]
+        return " ".join(shlex.quote(p) for p in parts)
+
 
 def run_compare(opts: CompareOptions) -> int:
-    """Train the variants that are not finished, then write the table and the plot."""
-    import json
-
-    from qkvlab.console import table_console
+    """Train the variants that are not finished, then write the table and the plot. A signal
+    stops the whole job (exit 128 + its number) with the command that resumes it."""
+    from qkvlab.console import print_table, table_console
     from qkvlab.experiments.compare import (
         PRESETS,
         markdown_table,
@@ -55,9 +71,13 @@ def run_compare(opts: CompareOptions) -> int:
     base = load_config(PRESETS[opts.preset], overrides)
     out = Path(opts.out)
     console = table_console()
-    names = _train_variants(base, out, opts.fresh, console)
+    names, signum = _train_variants(base, out, opts.fresh, console)
+    if signum is not None:
+        console.print(f"stopped by signal {signum}; no comparison of unfinished runs. Resume "
+                      f"with the same command: {opts.command_line()}")
+        return 128 + signum
     rows = summarize(out, names)
-    console.print(render_table(rows))
+    print_table(render_table(rows), console)
     plot = out / "compare.png"
     plot_curves(out, names, plot)
     (out / "compare.json").write_text(json.dumps(rows, indent=2) + "\n")
@@ -66,34 +86,79 @@ def run_compare(opts: CompareOptions) -> int:
     return 0
 
 
-def _train_variants(base: RunConfig, out: Path, fresh: bool, console: Console) -> list[str]:
-    """Train (or resume) each variant in OUT/NAME, reusing finished runs unless `fresh`."""
-    import dataclasses
-
+def _variant_configs(base: RunConfig, out: Path) -> list[tuple[str, str, RunConfig]]:
+    """(name, description, config) of each variant of the comparison, in OUT/NAME."""
     from qkvlab.model.variants import compare_variants
+
+    return [(v.name, f"{v.description}, weight decay {v.weight_decay:g}", dataclasses.replace(
+        base, model=v.model, optim=dataclasses.replace(base.optim, weight_decay=v.weight_decay),
+        out_dir=str(out / v.name), name=v.name)) for v in compare_variants(base.model)]
+
+
+def _train_variants(base: RunConfig, out: Path, fresh: bool, console: Console
+                    ) -> tuple[list[str], int | None]:
+    """Train (or resume) each variant in OUT/NAME, reusing finished runs unless `fresh`.
+    Returns the variant names and the signal that stopped training, if one did."""
+    from qkvlab.run.layout import SUMMARY_FILE
+    from qkvlab.run.records import is_finished, read_json_record
     from qkvlab.train import train
 
-    variants = compare_variants(base.model)
-    for v in variants:
-        run_dir = out / v.name
-        if (run_dir / "summary.json").exists() and not fresh:
-            console.print(f"[bold]{v.name}[/]: finished earlier in {run_dir}, reusing it")
-            continue
+    variants = _variant_configs(base, out)
+    todo = []
+    for name, what, cfg in variants:
+        run_dir = Path(cfg.out_dir)
         if fresh and run_dir.exists():
-            import shutil
-
             shutil.rmtree(run_dir)
-        cfg = dataclasses.replace(
-            base, model=v.model, optim=dataclasses.replace(base.optim, weight_decay=v.weight_decay),
-            out_dir=str(run_dir), name=v.name)
-        console.print(f"[bold]{v.name}[/]: {v.description}, weight decay {v.weight_decay:g}")
-        train(cfg, resume=True)
-    return [v.name for v in variants]
+        summary = read_json_record(run_dir / SUMMARY_FILE)
+        if is_finished(summary, cfg.train.max_steps):
+            console.print(f"[bold]{name}[/]: finished earlier in {run_dir}, reusing it")
+        else:
+            todo.append((name, what, cfg, int((summary or {}).get("steps") or 0)))
+    if todo:
+        console.print(_expected_duration(todo))
+    for name, what, cfg, _ in todo:
+        console.print(f"[bold]{name}[/]: {what}")
+        summary = train(cfg, resume=True)
+        if summary.get("interrupted"):
+            return [v[0] for v in variants], int(summary.get("signal") or signal.SIGINT)
+    return [v[0] for v in variants], None
+
+
+def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
+    """A line with the expected wall time of the runs still to train, from the speed of a few
+    training steps of the first one's model on this machine (evaluation included)."""
+    import torch
+
+    from qkvlab.bench.workloads import TrainBench
+    from qkvlab.run.device import resolve_device
+
+    cfg = todo[0][2]
+    device = resolve_device(cfg.train.device)
+    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    bench = TrainBench(cfg.model, cfg.train.batch_size * cfg.train.grad_accum, device, dtype,
+                       compile=False)
+    bench.time_steps(3)  # warm-up: first-call allocations and kernel choices
+    step_s = statistics.median(bench.time_steps(1) for _ in range(5))  # robust to a busy CPU
+    del bench
+    total = 0.0
+    for _, _, c, done in todo:
+        steps = max(0, c.train.max_steps - done)
+        evals = steps // c.train.eval_interval + 1
+        # an evaluation is a forward pass (~1/3 of a training step) over eval_windows windows
+        eval_steps = evals * c.train.eval_windows / c.train.batch_size / 3
+        total += (steps + eval_steps) * step_s
+    return (f"expected: about {_minutes(total)} for {len(todo)} run(s) (a training step of "
+            f"{todo[0][0]} takes {step_s * 1e3:.0f} ms on this machine)")
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("compare", help="the main job: baseline vs W_Q = I vs W_Q = I + wider MLP")
-    p.add_argument("--preset", default="quick", help="quick (~10 min on 2 cores) | long")
+    p.add_argument("--preset", default="quick",
+                   help="quick (~14 min on 2 cores; the expected time is printed) | long")
     p.add_argument("--out", default="runs/compare", help="folder for the runs, table and plot")
     p.add_argument("--steps", type=int, default=None, help="override the number of steps")
     p.add_argument("--seed", type=int, default=None)

@@ -22,7 +22,7 @@ def run_params(opts: ParamsOptions) -> int:
 
     from rich.table import Table
 
-    from qkvlab.console import table_console
+    from qkvlab.console import print_table
     from qkvlab.experiments.params_table import COLUMNS, params_rows
     from qkvlab.model.variants import paper_variants
 
@@ -47,7 +47,7 @@ def run_params(opts: ParamsOptions) -> int:
     for r in rows:
         table.add_row(r["variant"], r["projection"], str(r["mlp_hidden"]),
                       f"{r['attn_scale']:.4g}", *(f"{r[c]:,}" for c in COLUMNS))
-    table_console().print(table)
+    print_table(table)
     return 0
 
 

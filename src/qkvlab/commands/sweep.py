@@ -10,11 +10,13 @@ them (`_train`: one after another, through a launcher, or `--jobs N` at once), t
 from __future__ import annotations
 
 import shlex
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkvlab.commands.common import Subparsers, add_overrides, register
+from qkvlab.console import print_table
 from qkvlab.errors import QkvlabError
 
 if TYPE_CHECKING:
@@ -88,8 +90,8 @@ def run_sweep(opts: SweepOptions) -> int:
         return _print_commands(sw, opts.launcher)
     from qkvlab.experiments.sweep import progress_table
 
-    sw.console.print(progress_table(sw.spec, sw.runs, sw.states,
-                                    f"sweep {sw.spec.name} in {sw.out}: before"))
+    print_table(progress_table(sw.spec, sw.runs, sw.states,
+                               f"sweep {sw.spec.name} in {sw.out}: before"), sw.console)
     stopped, failures = _train(sw, opts)
     return _finish(sw, opts, stopped, failures)
 
@@ -161,7 +163,7 @@ def _dry_run(sw: _Sweep) -> int:
 
     console, runs, states = sw.console, sw.runs, sw.states
     notes = lib.preflight_data(runs, prepare=False, say=console.print)
-    console.print(lib.plan_table(sw.spec, runs, states))
+    print_table(lib.plan_table(sw.spec, runs, states), console)
     tokens, flops = lib.remaining_work(runs, states)
     done = sum(states[r.run_dir].status == "done" for r in runs)
     failed = sum(states[r.run_dir].status == "failed" for r in runs)
@@ -217,8 +219,9 @@ def _print_commands(sw: _Sweep, launcher: str | None) -> int:
     return 0
 
 
-def _train(sw: _Sweep, opts: SweepOptions) -> tuple[bool, list[Run]]:
-    """Train the pending runs; returns (stopped by a signal, the runs that failed)."""
+def _train(sw: _Sweep, opts: SweepOptions) -> tuple[int | None, list[Run]]:
+    """Train the pending runs; returns (the signal that stopped them or None, the runs that
+    failed)."""
     if opts.jobs > 1 and opts.launcher:
         raise QkvlabError("--jobs and --launcher do not go together: a launcher decides the "
                           "processes itself; drop one of them")
@@ -228,7 +231,7 @@ def _train(sw: _Sweep, opts: SweepOptions) -> tuple[bool, list[Run]]:
         return run_parallel(sw.todo, opts.jobs, sw.console)
     from qkvlab.experiments.sweep import FAILED_FILE, run_state
 
-    stopped, failures = False, []
+    stopped, failures = None, []
     for i, run in enumerate(sw.todo):
         state = sw.states[run.run_dir]
         resume = f", resuming at step {state.step}" if state.status == "partial" else ""
@@ -236,9 +239,9 @@ def _train(sw: _Sweep, opts: SweepOptions) -> tuple[bool, list[Run]]:
         sw.console.print(f"[bold][{i + 1}/{len(sw.todo)}] {run.label}[/] ({what}{resume}) -> "
                          f"{run.run_dir}")
         (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
-        outcome = _train_one(run, opts.launcher, sw.console)
+        outcome, signum = _train_one(run, opts.launcher, sw.console)
         if outcome == "stopped":
-            stopped = True
+            stopped = signum
             break
         if outcome == "failed":
             failures.append(run)
@@ -247,22 +250,27 @@ def _train(sw: _Sweep, opts: SweepOptions) -> tuple[bool, list[Run]]:
     return stopped, failures
 
 
-def _train_one(run: Run, launcher: str | None, console: Console) -> str:
-    """Train one run in this process or through `launcher`: "done", "failed" (recorded in
-    the run's failed.json) or "stopped" (interrupted)."""
-    from qkvlab.experiments.sweep import materialize, record_failure, train_command_for
+def _train_one(run: Run, launcher: str | None, console: Console) -> tuple[str, int | None]:
+    """Train one run in this process or through `launcher`: ("done" | "failed" (recorded in
+    the run's failed.json) | "stopped", the signal that stopped it)."""
+    from qkvlab.experiments.sweep import (
+        SIGNAL_EXITS,
+        materialize,
+        record_failure,
+        train_command_for,
+    )
 
     if launcher:
         import subprocess
 
         materialize(run)
         rc = subprocess.run(train_command_for(run, launcher)).returncode
-        if rc in (130, -2):  # interrupted (SIGINT): stop the sweep, like a single run
-            return "stopped"
+        if rc in SIGNAL_EXITS:  # interrupted: stop the sweep, like a single run
+            return "stopped", SIGNAL_EXITS[rc]
         if rc != 0:
             record_failure(run, f"{launcher} exited with status {rc}")
-            return "failed"
-        return "done"
+            return "failed", None
+        return "done", None
     from qkvlab.train import train
 
     try:
@@ -270,21 +278,25 @@ def _train_one(run: Run, launcher: str | None, console: Console) -> str:
     except QkvlabError as exc:
         record_failure(run, str(exc))
         console.print(f"[red]{run.label} failed[/]: {exc}")
-        return "failed"
-    return "stopped" if summary.get("interrupted") else "done"
+        return "failed", None
+    if summary.get("interrupted"):
+        return "stopped", int(summary.get("signal") or signal.SIGINT)
+    return "done", None
 
 
-def _finish(sw: _Sweep, opts: SweepOptions, stopped: bool, failures: list[Run]) -> int:
-    """Print where the sweep stands; 130 when stopped, 2 when runs failed."""
+def _finish(sw: _Sweep, opts: SweepOptions, stopped: int | None, failures: list[Run]) -> int:
+    """Print where the sweep stands; 128 + the signal when one stopped it (130 for Ctrl-C),
+    2 when runs failed."""
     from qkvlab.experiments.sweep import progress_table, run_state
 
     states = {r.run_dir: run_state(r) for r in sw.runs}
     console = sw.console
-    console.print(progress_table(sw.spec, sw.runs, states,
-                                 f"sweep {sw.spec.name} in {sw.out}: now"))
-    if stopped:
-        console.print(f"stopped; run the same command to resume: {opts.command_line(sw.out)}")
-        return 130
+    print_table(progress_table(sw.spec, sw.runs, states,
+                               f"sweep {sw.spec.name} in {sw.out}: now"), sw.console)
+    if stopped is not None:
+        console.print(f"stopped by signal {stopped}; run the same command to resume: "
+                      f"{opts.command_line(sw.out)}")
+        return 128 + stopped
     if failures:
         console.print(f"{len(failures)} run(s) failed (failed.json in their folders); they are "
                       "skipped on the next sweep unless you pass --retry-failed")

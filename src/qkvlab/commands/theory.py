@@ -19,7 +19,7 @@ def run_verify(opts: VerifyOptions) -> int:
 
     from rich.table import Table
 
-    from qkvlab.console import table_console
+    from qkvlab.console import print_table, table_console
     from qkvlab.theory.verify import run_checks
 
     start = time.perf_counter()
@@ -34,7 +34,7 @@ def run_verify(opts: VerifyOptions) -> int:
         table.add_row(r.section, r.statement, r.hypotheses, f"{r.value:.2e}", r.expect,
                       r.criterion, "[green]PASS[/green]" if r.passed else "[red]FAIL[/red]")
     console = table_console()
-    console.print(table)
+    print_table(table, console)
     failed = sum(not r.passed for r in results)
     console.print(f"{len(results) - failed}/{len(results)} PASS in {elapsed:.1f} s")
     return 1 if failed else 0

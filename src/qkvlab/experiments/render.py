@@ -15,8 +15,9 @@ from typing import Any
 from qkvlab.experiments.results import GroupResult, Report, grid_families
 from qkvlab.experiments.spec import Spec
 from qkvlab.experiments.stats import Summary
-from qkvlab.experiments.sweep import machine_info, now_iso, read_json_record
+from qkvlab.experiments.sweep import machine_info, now_iso
 from qkvlab.run.layout import SUMMARY_FILE
+from qkvlab.run.records import read_json_record
 
 # What docs/paper.md reports for the variants the rules make (GPT-2 small, OpenWebText, one seed).
 PAPER_SAYS: dict[str, str] = {

@@ -45,7 +45,8 @@ from qkvlab.experiments.results import (
 )
 from qkvlab.experiments.runs import find_seeds, per_window_losses, read_run
 from qkvlab.experiments.spec import Group, Spec, identity_diff
-from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso, read_json_record
+from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
+from qkvlab.run.records import read_json_record
 
 
 def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,

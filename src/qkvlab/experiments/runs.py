@@ -16,9 +16,9 @@ from typing import Any
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.spec import Group
 from qkvlab.experiments.stats import median_tokens_per_s
-from qkvlab.experiments.sweep import is_finished, read_json_record
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.metrics import read_metrics
+from qkvlab.run.records import is_finished, read_json_record
 
 WINDOW_FILE = "window_losses.json"
 

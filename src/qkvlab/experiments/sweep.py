@@ -70,6 +70,7 @@ from qkvlab.run.layout import (
     list_checkpoints,
 )
 from qkvlab.run.load import open_data
+from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
 from qkvlab.train.config import EMBEDDED_SOURCE, load_config, save_config
 
@@ -88,20 +89,6 @@ class RunState:
     step: int = 0
     final_val_loss: float | None = None
     note: str = ""
-
-
-def read_json_record(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def is_finished(summary: dict[str, Any] | None, max_steps: int) -> bool:
-    """A run's summary.json says it ran to max_steps (not stopped early by Ctrl-C)."""
-    return bool(summary) and not summary.get("interrupted") \
-        and int(summary.get("steps") or 0) >= max_steps
 
 
 def run_state(run: Run) -> RunState:
@@ -418,26 +405,41 @@ def copy_finished_run(run: Run, src: Path) -> None:
         {"from": str(src.resolve()), "copied": now_iso()}, indent=1) + "\n")
 
 
+class _Stopped(Exception):
+    """SIGTERM reached the sweep while its runs train."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+# exit statuses of a run stopped by a signal (128 + n from qkvlab, -n when killed by it) -> n
+SIGNAL_EXITS = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM,
+                -signal.SIGINT: signal.SIGINT, -signal.SIGTERM: signal.SIGTERM}
+
+
 def run_parallel(todo: list[Run], jobs: int, console: Console) -> tuple[bool, list[Run]]:
     """Train `todo` as subprocesses, `jobs` at a time, with the usable cores split between them.
 
-    Returns (stopped by a signal, the runs that failed). A Ctrl-C reaches every child (one
-    process group): each checkpoints and exits, and no further run is started.
+    Returns (the signal that stopped the sweep, or None; the runs that failed). A Ctrl-C
+    reaches every child (one process group): each checkpoints and exits, and no further run is
+    started.
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = str(max(1, (cpus or 1) // jobs))
-    queue, running, failures, stopped = list(todo), {}, [], False
+    queue, running, failures = list(todo), {}, []
+    stopped: int | None = None
 
     def on_term(signum, frame):  # forward SIGTERM: each child checkpoints and exits
         for _, proc, _ in running.values():
             proc.send_signal(signum)
-        raise KeyboardInterrupt
+        raise _Stopped(signum)
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         stopped = _drive(queue, running, failures, jobs, threads, console)
-    except KeyboardInterrupt:  # Ctrl-C reached the children too: let them checkpoint
-        stopped = True
+    except (KeyboardInterrupt, _Stopped) as exc:  # the children got the signal too
+        stopped = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
         for _, proc, log in running.values():
             proc.wait()
             log.close()
@@ -447,12 +449,12 @@ def run_parallel(todo: list[Run], jobs: int, console: Console) -> tuple[bool, li
 
 
 def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jobs: int,
-           threads: str, console: Console) -> bool:
+           threads: str, console: Console) -> int | None:
     """run_parallel's loop: start runs while slots are free, collect the ones that end."""
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    stopped = False
+    stopped: int | None = None
     while queue or running:
-        while queue and len(running) < jobs and not stopped:
+        while queue and len(running) < jobs and stopped is None:
             run = queue.pop(0)
             materialize(run)
             (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
@@ -469,8 +471,8 @@ def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jo
                 continue
             log.close()
             del running[key]
-            if rc in (130, 143, -2, -15):  # a signal stopped it: stop the sweep too
-                stopped = True
+            if rc in SIGNAL_EXITS:  # a signal stopped it: stop the sweep too
+                stopped = SIGNAL_EXITS[rc]
             elif rc != 0:
                 record_failure(run, f"exited with status {rc}; see {run.run_dir / LOG_FILE}")
                 failures.append(run)

@@ -193,8 +193,9 @@ def log_step(s: Session, done: int, rec: dict[str, Any]) -> None:
         s.metrics.write({"step": done, **rec})
 
 
-def summary(s: Session, interrupted: bool) -> dict[str, Any]:
-    """What the session did (summary.json); non-finite values are null."""
+def summary(s: Session, signum: int | None) -> dict[str, Any]:
+    """What the session did (summary.json); non-finite values are null. `signum`: the signal
+    that stopped it early, if one did."""
     st, tc = s.st, s.cfg.train
     tps = st.session_tokens / st.session_time if st.session_time > 0 else 0.0
     return finite_or_null({
@@ -212,7 +213,8 @@ def summary(s: Session, interrupted: bool) -> dict[str, Any]:
         "flops_per_token": s.fpt,
         "train_time_s": st.session_time,
         "resumed_from": s.start_step if s.ckpt is not None else None,
-        "interrupted": interrupted,
+        "interrupted": signum is not None,
+        "signal": int(signum) if signum is not None else None,
         "device": s.device.type,
         "dtype": tc.dtype,
         "checkpoint": str(st.last_ckpt) if st.last_ckpt else None,

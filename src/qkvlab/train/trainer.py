@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -63,17 +64,17 @@ def train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     s = setup(cfg, run_dir, resume, quiet, ctx)
     open_outputs(s)
     try:
-        interrupted = loop(s)
+        signum = loop(s)
     finally:
         close_outputs(s)
-    out = summary(s, interrupted)
+    out = summary(s, signum)
     if ctx.is_main:
         write_text_atomic(run_dir / SUMMARY_FILE, json.dumps(out, indent=1) + "\n")
     return out
 
 
-def loop(s: Session) -> bool:
-    """Train from s.start_step to max_steps; True when a signal stopped it early."""
+def loop(s: Session) -> int | None:
+    """Train from s.start_step to max_steps; the signal's number when one stopped it early."""
     tc, st = s.cfg.train, s.st
     with StopFlag() as stop:
         s.model.train()
@@ -94,11 +95,12 @@ def loop(s: Session) -> bool:
                 save(s, done)
                 s.reporter.line(f"stopped by signal {stop.signum} at step {done}; checkpoint "
                                 f"{st.last_ckpt}")
-                return True
+                # the signal every process saw (SIGINT when only some saw one)
+                return stop.signum or signal.SIGINT
             # no regular checkpoint inside a non-finite streak: it would rotate good ones
             # out (keep_last) in favour of the weights that keep failing
             if (done % tc.ckpt_interval == 0 or done == tc.max_steps) and st.nonfinite == 0:
                 save(s, done)
         if s.start_step >= tc.max_steps and s.ckpt is not None:
             st.last_val_loss = val_loss(s, {})
-    return False
+    return None
