@@ -73,8 +73,9 @@ def run_compare(opts: CompareOptions) -> int:
     console = table_console()
     names, signum = _train_variants(base, out, opts.fresh, console)
     if signum is not None:
+        # soft_wrap: the command stays on one line, ready to copy
         console.print(f"stopped by signal {signum}; no comparison of unfinished runs. Resume "
-                      f"with the same command: {opts.command_line()}")
+                      f"with the same command: {opts.command_line()}", soft_wrap=True)
         return 128 + signum
     rows = summarize(out, names)
     print_table(render_table(rows), console)

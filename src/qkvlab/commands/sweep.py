@@ -295,7 +295,7 @@ def _finish(sw: _Sweep, opts: SweepOptions, stopped: int | None, failures: list[
                                f"sweep {sw.spec.name} in {sw.out}: now"), sw.console)
     if stopped is not None:
         console.print(f"stopped by signal {stopped}; run the same command to resume: "
-                      f"{opts.command_line(sw.out)}")
+                      f"{opts.command_line(sw.out)}", soft_wrap=True)
         return 128 + stopped
     if failures:
         console.print(f"{len(failures)} run(s) failed (failed.json in their folders); they are "

@@ -13,6 +13,7 @@ from pathlib import Path
 from rich.table import Table
 
 from qkvlab.errors import QkvlabError
+from qkvlab.experiments.plots import variant_colors
 from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.model.params import count_params
 from qkvlab.run.layout import CONFIG_FILE
@@ -92,15 +93,17 @@ def plot_curves(out: Path, names: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax, ax_rel) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = variant_colors(names)
     curves = {name: val_curve(read_metrics(out / name)) for name in names}
     base_steps, base_vals = curves[names[0]]
     base_at = dict(zip(base_steps, base_vals, strict=True))
     for name, (steps, vals) in curves.items():
-        ax.plot(steps, vals, marker=".", label=name)
+        ax.plot(steps, vals, marker=".", label=name, color=colors[name])
         rel = [(s, 100 * (v - base_at[s]) / base_at[s]) for s, v in zip(steps, vals, strict=True)
                if s in base_at and s > 0]  # step 0 differs only by initialisation
         if rel and name != names[0]:
-            ax_rel.plot([s for s, _ in rel], [d for _, d in rel], marker=".", label=name)
+            ax_rel.plot([s for s, _ in rel], [d for _, d in rel], marker=".", label=name,
+                        color=colors[name])
     ax.set(xlabel="step", ylabel="validation loss", title="validation loss")
     ax.set_ylim(top=min(max(v[0] for _, v in curves.values() if v), ax.get_ylim()[1]))
     ax_rel.axhline(0, color="gray", lw=0.8)

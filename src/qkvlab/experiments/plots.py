@@ -19,6 +19,13 @@ def _pyplot():
     return plt
 
 
+def variant_colors(names: list[str]) -> dict[str, str]:
+    """One colour per variant, by its place in the full list, so a variant keeps its colour in
+    every panel and plot (a panel that leaves the baseline out does not shift the others)."""
+    palette = [f"C{i}" for i in range(10)]  # matplotlib's default cycle
+    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+
+
 def _mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
     """Steps common to all curves, the mean and the sample std (0 for one curve)."""
     steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
@@ -45,16 +52,18 @@ def _save(plt, fig, path: Path) -> None:
 def plot_curves(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colors = variant_colors([g.group.name for g in rep.groups])
     top = None
     for g in rep.groups:
         curves = [r.curve for r in g.runs if r.status == "done"]
         steps, mean, std = _mean_band(curves)
         if not steps:
             continue
-        line, = ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
-                        lw=2.0 if g.group.baseline else 1.3)
+        color = colors[g.group.name]
+        ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
+                lw=2.0 if g.group.baseline else 1.3, color=color)
         if len(curves) > 1:
-            _band(ax, steps, mean, std, line.get_color())
+            _band(ax, steps, mean, std, color)
         # zoom past the first evals: the interesting part is where curves are close
         later = mean[len(mean) // 5:] or mean
         top = max(top or -math.inf, max(later))
@@ -84,15 +93,17 @@ def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], lis
 def plot_rel(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colors = variant_colors([g.group.name for g in rep.groups])
     for g in rep.groups:
         if g is rep.baseline:
             continue
         steps, mean, std, n = rel_curves(rep, g)
         if not steps:
             continue
-        line, = ax.plot(steps, mean, label=f"{g.group.name} (n={n})")
+        color = colors[g.group.name]
+        ax.plot(steps, mean, label=f"{g.group.name} (n={n})", color=color)
         if n > 1:
-            _band(ax, steps, mean, std, line.get_color())
+            _band(ax, steps, mean, std, color)
     ax.axhline(0, color="gray", lw=0.8)
     ref = rep.baseline.group.name
     ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
@@ -108,13 +119,14 @@ def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: P
     spread that all groups share."""
     plt = _pyplot()
     fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11.5, 4.5))
+    colors = variant_colors(list(fams))
     for fam, gs in fams.items():
         pts = sorted(gs, key=lambda g: getattr(g.group.config.optim, key))
         ok = [g for g in pts if g.loss.mean is not None]
         xs = [getattr(g.group.config.optim, key) for g in ok]
-        line = ax.errorbar(xs, [g.loss.mean for g in ok], yerr=[g.loss.std or 0.0 for g in ok],
-                           marker="o", capsize=3, label=fam)
-        color = line[0].get_color()
+        color = colors[fam]
+        ax.errorbar(xs, [g.loss.mean for g in ok], yerr=[g.loss.std or 0.0 for g in ok],
+                    marker="o", capsize=3, label=fam, color=color)
         dx, dy, lo, hi = _paired_points(rep, ok, key)
         if dx:
             ax_d.errorbar(dx, dy, yerr=[lo, hi], marker="o", capsize=3, color=color, label=fam)

@@ -14,7 +14,7 @@ from typing import Any
 
 from qkvlab.experiments.results import GroupResult, Report, grid_families
 from qkvlab.experiments.spec import Spec
-from qkvlab.experiments.stats import Summary
+from qkvlab.experiments.stats import Summary, sign_test_floor
 from qkvlab.experiments.sweep import machine_info, now_iso
 from qkvlab.run.layout import SUMMARY_FILE
 from qkvlab.run.records import read_json_record
@@ -196,24 +196,42 @@ def _paired_table(rep: Report) -> list[str]:
          f"({base.group.name}, seed s); same seed = same initial-weight seed and batch order, "
          "same fixed validation windows. "
          "t-test of the d_s against 0 (n - 1 degrees of freedom), two-sided p, 95% t "
-         "interval. Negative = the variant has lower loss.", "",
-         "| variant | pairs (seeds) | mean diff | std | 95% CI | t | p | relative | "
-         "relative 95% CI | paper says |",
-         "|---|---|---:|---:|---|---:|---:|---:|---|---|"]
+         "interval. Negative = the variant has lower loss.", "", *_resolution(rep), "",
+         "| variant | pairs (seeds) | mean diff | std | 95% CI | t | p | p (Holm) | relative | "
+         "relative 95% CI | resolvable | paper says |",
+         "|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---|"]
     for g in rep.groups:
         if g is base:
             continue
         t = g.paired
         paper = paper_says(rep.spec, g, base)
         if t is None:
-            L.append(f"| {g.group.name} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | {paper} |")
+            L.append(f"| {g.group.name} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | "
+                     f"n/a | {paper} |")
             continue
         L.append(f"| {g.group.name} | {t.n} ({', '.join(map(str, g.paired_seeds))}) | "
                  f"{_f(t.mean, '+.4f')} | {_f(t.std)} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_f(t.t, '.2f')} | "
-                 f"{_p(t.p)} | {_f(g.rel_pct, '+.3f')}% | "
-                 f"[{_f(g.rel_ci[0], '+.3f')}%, {_f(g.rel_ci[1], '+.3f')}%] | {paper} |")
+                 f"{_p(t.p)} | {_p(g.p_holm)} | {_f(g.rel_pct, '+.3f')}% | "
+                 f"[{_f(g.rel_ci[0], '+.3f')}%, {_f(g.rel_ci[1], '+.3f')}%] | "
+                 f"+-{_f(g.resolvable_pct, '.3f')}% | {paper} |")
     return L
+
+
+def _resolution(rep: Report) -> list[str]:
+    """What these seeds can and cannot show, in two sentences."""
+    tested = [g for g in rep.groups if g is not rep.baseline and g.paired is not None
+              and g.paired.n >= 2]
+    if not tested:
+        return ["Fewer than two paired seeds: no test is possible."]
+    n = min(g.paired.n for g in tested)
+    widths = [g.resolvable_pct for g in tested if g.resolvable_pct is not None]
+    span = (f"a difference smaller than +-{min(widths):.2f}% to +-{max(widths):.2f}% (half the "
+            "95% interval, column *resolvable*) cannot be told from 0" if widths else "")
+    return [f"What {n} seeds can show: {span}; the t-test assumes the seed differences are "
+            f"normal, and a distribution-free sign test over {n} seeds cannot go below "
+            f"p = {sign_test_floor(n):.3g}. *p (Holm)* adjusts p for the {len(tested)} "
+            "comparisons of this report (family-wise 5%)."]
 
 
 def _per_window_table(rep: Report) -> list[str]:

@@ -11,7 +11,14 @@ from typing import Any
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import RunData
 from qkvlab.experiments.spec import Group, Spec
-from qkvlab.experiments.stats import PairedTest, Summary, paired_t, relative, summarize
+from qkvlab.experiments.stats import (
+    PairedTest,
+    Summary,
+    holm,
+    paired_t,
+    relative,
+    summarize,
+)
 
 CONFIDENCE = 0.95
 
@@ -33,6 +40,14 @@ class GroupResult:
     rel_ci: tuple[float | None, float | None] = (None, None)
     window_test: PairedTest | None = None
     window_rel_pct: float | None = None
+    p_holm: float | None = None  # the seed-level p, Holm-adjusted over the report's comparisons
+
+    @property
+    def resolvable_pct(self) -> float | None:
+        """Half the width of the relative 95% interval: a difference smaller than this cannot
+        be told from 0 by these seeds."""
+        lo, hi = self.rel_ci
+        return None if lo is None or hi is None else (hi - lo) / 2
 
     def as_dict(self) -> dict[str, Any]:
         g, m = self.group, self.group.config.model
@@ -47,7 +62,8 @@ class GroupResult:
             "paired_vs_baseline": None if self.paired is None else {
                 **self.paired.as_dict(), "seeds": self.paired_seeds,
                 "baseline_mean": self.baseline_mean, "relative_pct": self.rel_pct,
-                "relative_ci_pct": list(self.rel_ci)},
+                "relative_ci_pct": list(self.rel_ci), "p_holm": self.p_holm,
+                "resolvable_pct": self.resolvable_pct},
             "per_window_vs_baseline": None if self.window_test is None else {
                 **self.window_test.as_dict(), "relative_pct": self.window_rel_pct},
         }
@@ -118,6 +134,9 @@ def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> No
         if pairs:
             _seed_test(g, pairs)
             _window_test(g, pairs)
+    tested = [g for g in results if g.paired is not None]
+    for g, p in zip(tested, holm([g.paired.p for g in tested]), strict=True):
+        g.p_holm = p
 
 
 def _seed_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:

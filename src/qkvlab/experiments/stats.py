@@ -91,6 +91,24 @@ def paired_t(diffs: Sequence[float], confidence: float = 0.95) -> PairedTest:
     return PairedTest(s.n, s.mean, s.std, se, t, df, p, s.mean - half, s.mean + half, confidence)
 
 
+def holm(pvalues: Sequence[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of the p-values of one report's comparisons (None stays
+    None and does not count): the family-wise error stays at the nominal level however many
+    variants are compared with the reference."""
+    ranked = sorted((p, i) for i, p in enumerate(pvalues) if p is not None)
+    m, out, running = len(ranked), list(pvalues), 0.0
+    for k, (p, i) in enumerate(ranked):
+        running = max(running, min(1.0, (m - k) * p))  # monotone in the sorted order
+        out[i] = running
+    return out
+
+
+def sign_test_floor(n: int) -> float:
+    """The smallest two-sided p a sign test over n pairs can give (all n differences of one
+    sign): 2 / 2^n, 0.25 for 3 seeds; below 6 pairs it cannot reach 0.05."""
+    return min(1.0, 2.0 * 0.5 ** n) if n > 0 else 1.0
+
+
 def relative(value: float | None, reference: float | None) -> float | None:
     """100 * value / reference (a difference as a percentage of the reference loss)."""
     if value is None or reference is None or reference == 0:

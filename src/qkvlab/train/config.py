@@ -9,6 +9,7 @@ resolved config back so that `load_config(save_config(cfg))` gives `cfg` again.
 from __future__ import annotations
 
 import math
+import re
 import tomllib
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -31,6 +32,11 @@ SECTIONS: tuple[str, ...] = ("run", "model", "data", "optim", "train")
 # The embedded default corpus: the only source that training prepares on its own.
 EMBEDDED_SOURCE = "shakespeare"
 
+
+# what `--set section.key=TEXT` takes as a string without quotes: a word or a path (spaces
+# inside allowed), never quotes, brackets, braces, '=', '#', backslashes or control characters
+BARE_WORD = re.compile(r"[^\s\"'\[\]{}=#\\][^\"'\[\]{}=#\\\x00-\x1f\x7f]*")
+RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*")
 
 def _need(ok: bool, where: str, msg: str) -> None:
     if not ok:
@@ -201,6 +207,10 @@ class RunConfig:
         name = coerce(run.get("name", "run"), "str", "run.name")
         out_dir = coerce(run.get("out_dir"), "str | None", "run.out_dir")
         _need(bool(name.strip()), "run.name", "must not be empty")
+        # runs/<name> must stay inside runs/: one path component (out_dir is the user's own)
+        _need(bool(RUN_NAME.fullmatch(name)), "run.name",
+              f"must be one folder name of letters, digits and . _ - + (not starting with .), "
+              f"got {name!r}; set run.out_dir for a folder elsewhere")
         model = data.get("model", {})
         if not isinstance(model, dict):
             raise QkvlabError(f"[model] must be a table of key = value pairs, got {model!r}")
@@ -278,7 +288,15 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw  # a bare word such as q-identity or a path: take it as a string
+        # a bare word such as q-identity or a path is taken as a string; anything else that is
+        # not TOML (an unterminated quote, a bracket, a space) is a mistake, not a string
+        if not BARE_WORD.fullmatch(raw):
+            raise QkvlabError(
+                f"--set {item!r}: {raw!r} is not a TOML value; quote a string "
+                f"({section}.{key}=\"...\") or give a bare word or path without quotes, "
+                "brackets or braces"
+            ) from None
+        value = raw
     return section, key, value
 
 
