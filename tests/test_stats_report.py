@@ -30,3 +30,58 @@ def test_sign_test_floor():
     for n in range(1, 9):
         assert sign_test_floor(n) == pytest.approx(binomtest(n, n, 0.5).pvalue)
     assert sign_test_floor(3) == 0.25 and sign_test_floor(6) < 0.05 < sign_test_floor(5)
+
+
+def test_a_sweep_over_widths_reports_the_gap_against_width(tmp_path, data_dir):
+    import json
+
+    from qkvlab.cli import main
+    from qkvlab.train.config import load_config, save_config
+
+    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
+    save_config(load_config("compare-quick", [
+        "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16",
+        f"model.vocab_size={vocab}", f"data.dir={data_dir}", "data.prepare_if_missing=false",
+        "train.max_steps=4", "train.batch_size=4", "train.eval_windows=4",
+        "train.eval_interval=2", "train.ckpt_interval=4", "train.peak_flops=1e12",
+        "train.tensorboard=false", "train.dtype=fp32"]), tmp_path / "base.toml")
+    spec = tmp_path / "w.toml"
+    spec.write_text("""
+[spec]
+name = "w"
+base = "base.toml"
+seeds = [1, 2]
+
+[[variant]]
+name = "baseline"
+baseline = true
+rule = "baseline"
+
+[[variant]]
+name = "baseline-wide"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
+
+[[variant]]
+name = "qid"
+rule = "q-identity"
+
+[[variant]]
+name = "qid-wide"
+family = "qid"
+rule = "q-identity"
+n_embd = 32
+""", encoding="utf-8")
+    out, rep = tmp_path / "sw", tmp_path / "rep"
+    assert main(["sweep", str(spec), "--out", str(out)]) == 0
+    assert main(["report", str(out), "--out", str(rep)]) == 0
+    data = json.loads((rep / "report.json").read_text())
+    gaps = {(g["family"], g["width"]): g for g in data["width_gaps"]}
+    assert set(gaps) == {("qid", 16), ("qid", 32)}
+    assert gaps[("qid", 32)]["reference"] == "baseline-wide"  # its own width's baseline
+    assert gaps[("qid", 16)]["reference"] == "baseline" and gaps[("qid", 16)]["n"] == 2
+    text = (rep / "report.md").read_text()
+    assert "## Gap to the baseline against width" in text and "gap_vs_width.png" in text
+    assert (rep / "gap_vs_width.png").stat().st_size > 5_000
+    assert "p (Holm)" in text and "sign test over 2 seeds cannot go below p = 0.5" in text

@@ -12,7 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qkvlab.experiments.results import GroupResult, Report, grid_families
+from qkvlab.experiments.results import GroupResult, Report, grid_families, width_gaps
 from qkvlab.experiments.spec import Spec
 from qkvlab.experiments.stats import Summary, sign_test_floor
 from qkvlab.experiments.sweep import machine_info, now_iso
@@ -98,6 +98,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     if rep.per_window:
         L += _per_window_table(rep)
     L += _curves(plots)
+    L += _width_section(rep, plots)
     for key, title in (("weight_decay", "Stability: final loss vs weight decay"),
                        ("lr", "Final loss vs learning rate")):
         fams = grid_families(rep, key)
@@ -309,4 +310,28 @@ def _runs_table(rep: Report) -> list[str]:
         L.append(f"| {r.group} | {r.seed} | {status} | {r.steps:,}/{r.max_steps:,} | "
                  f"{_f(r.final_loss)} |" + (f" {_f(r.final_acc)} |" if mlm else "")
                  + f" {_f(r.tokens_per_s, ',.0f')} | {folder} |")
+    return L
+
+
+def _width_section(rep: Report, plots: dict[str, str]) -> list[str]:
+    """The gap to the same-width baseline against width, when the sweep spans widths."""
+    gaps = width_gaps(rep)
+    if not gaps:
+        return []
+    fam = rep.baseline.group.family
+    L = ["", "## Gap to the baseline against width", "",
+         f"Each group against the {fam} group of its own width, paired by seed (t-test, 95% "
+         "interval), as % of that baseline's loss.", "",
+         "| family | d | group | vs | seeds | mean diff | 95% CI | p | relative "
+         "| relative 95% CI |",
+         "|---|---:|---|---|---|---:|---|---:|---:|---|"]
+    for w in gaps:
+        t, r = w.result.test, w.result
+        L.append(f"| {w.family} | {w.width} | {w.group} | {w.reference} | "
+                 f"{', '.join(map(str, r.seeds))} | {_f(t.mean, '+.4f')} | "
+                 f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_p(t.p)} | "
+                 f"{_f(r.rel_pct, '+.3f')}% | [{_f(r.rel_ci[0], '+.3f')}%, "
+                 f"{_f(r.rel_ci[1], '+.3f')}%] |")
+    if "width" in plots:
+        L += ["", f"![gap vs width]({plots['width']})"]
     return L

@@ -139,13 +139,61 @@ def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> No
         g.p_holm = p
 
 
+@dataclass
+class PairedRelative:
+    """The seed-level paired test of a group against a reference, also as % of its loss."""
+
+    seeds: list[int]
+    test: PairedTest
+    reference_mean: float | None
+    rel_pct: float | None
+    rel_ci: tuple[float | None, float | None]
+
+
+def paired_relative(pairs: list[tuple[RunData, RunData]]) -> PairedRelative:
+    """(variant run, reference run) pairs of the same seed -> the paired test, in loss and %."""
+    test = paired_t([r.final_loss - b.final_loss for r, b in pairs], CONFIDENCE)
+    ref = summarize([b.final_loss for _, b in pairs]).mean
+    return PairedRelative([r.seed for r, _ in pairs], test, ref, relative(test.mean, ref),
+                          (relative(test.ci_low, ref), relative(test.ci_high, ref)))
+
+
 def _seed_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
-    g.paired_seeds = [r.seed for r, _ in pairs]
-    g.paired = paired_t([r.final_loss - b.final_loss for r, b in pairs], CONFIDENCE)
-    g.baseline_mean = summarize([b.final_loss for _, b in pairs]).mean
-    g.rel_pct = relative(g.paired.mean, g.baseline_mean)
-    g.rel_ci = (relative(g.paired.ci_low, g.baseline_mean),
-                relative(g.paired.ci_high, g.baseline_mean))
+    pr = paired_relative(pairs)
+    g.paired_seeds, g.paired, g.baseline_mean = pr.seeds, pr.test, pr.reference_mean
+    g.rel_pct, g.rel_ci = pr.rel_pct, pr.rel_ci
+
+
+@dataclass
+class WidthGap:
+    """A group against the reference family's group of the same width."""
+
+    family: str
+    width: int
+    group: str
+    reference: str
+    result: PairedRelative
+
+
+def width_gaps(rep: Report, key: str = "n_embd") -> list[WidthGap]:
+    """When the reference's family spans two or more values of model.<key> (a width trend),
+    each other group paired with the reference-family group of its own width; else nothing."""
+    fam = rep.baseline.group.family
+    refs = {getattr(g.group.config.model, key): g for g in rep.groups if g.group.family == fam}
+    if len(refs) < 2:
+        return []
+    out = []
+    for g in rep.groups:
+        width = getattr(g.group.config.model, key)
+        ref = refs.get(width)
+        if g.group.family == fam or ref is None:
+            continue
+        base = {r.seed: r for r in ref.runs if r.status == "done"}
+        pairs = [(r, base[r.seed]) for r in g.runs if r.status == "done" and r.seed in base]
+        if pairs:
+            out.append(WidthGap(g.group.family, width, g.group.name, ref.group.name,
+                                paired_relative(pairs)))
+    return sorted(out, key=lambda w: (w.family, w.width))
 
 
 def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:

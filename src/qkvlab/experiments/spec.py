@@ -59,6 +59,7 @@ VARIANT_FIELDS: dict[str, str] = {
     "n_embd": "model", "head_dim": "model", "n_kv_head": "model", "mlp_hidden": "model",
     "mlp_ratio": "model", "causal": "model", "activation": "model", "norm": "model",
     "positions": "model", "residual": "model", "dropout": "model", "vocab_size": "model",
+    "mlp": "model",
     "lr": "optim", "min_lr": "optim", "weight_decay": "optim", "warmup_steps": "optim",
     "decay_steps": "optim", "beta2": "optim",
 }
