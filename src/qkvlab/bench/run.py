@@ -62,6 +62,11 @@ SHAPES: dict[str, Shape] = {
     "paper": Shape(dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
                    4, 12, (128, 512, 1024), 16, 512),
 }
+# The same sizes as Llama-style decoders (RMSNorm, SwiGLU MLP of the GELU MLP's parameters,
+# RoPE, no position table): the blocks most models are trained with now.
+LLAMA_STYLE = dict(norm="rmsnorm", mlp="swiglu", positions="rope")
+SHAPES.update({f"{name}-llama": replace(shape, model={**shape.model, **LLAMA_STYLE})
+               for name, shape in list(SHAPES.items())})
 
 SCHEMES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide", "nonlinear-q")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -60,7 +60,8 @@ def run_bench(opts: BenchOptions) -> int:
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="training and inference speed of the projection schemes")
     p.add_argument("--shape", default="baby",
-                   help="baby (6x384, ctx 256) | paper (12x768, ctx 1024) | tiny (tests)")
+                   help="baby (6x384, ctx 256) | paper (12x768, ctx 1024) | tiny (tests); "
+                        "each also as NAME-llama (RMSNorm, SwiGLU, RoPE), e.g. baby-llama")
     p.add_argument("--schemes", default="baseline,q-identity",
                    help="comma-separated variants: baseline, q-identity, q-identity-wide, "
                         "nonlinear-q")
