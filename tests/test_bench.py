@@ -30,6 +30,7 @@ def run_json(tmp_path, *extra: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_end_to_end_all_schemes(tmp_path):
     data = run_json(tmp_path, "--schemes", ",".join(SCHEMES), "--gen-tokens", "40")
     assert set(data) == {"machine", "settings", "peak", "schemes", "summary"}
@@ -82,6 +83,7 @@ def test_end_to_end_all_schemes(tmp_path):
     assert set(s["cache_speedup"]) == set(SCHEMES)
 
 
+@pytest.mark.slow
 def test_overrides_fp32_no_inference(tmp_path):
     data = run_json(tmp_path, "--dtype", "fp32", "--no-inference", "--set", "n_layer=1",
                     "--set", "model.norm=rmsnorm", "--schemes", "q-identity,nonlinear-q")
@@ -198,6 +200,7 @@ def test_peak_resolution():
     assert math.isfinite(peak.flops)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("projection", PROJECTIONS)
 def test_every_scheme_traces_as_one_graph(projection):
     """fullgraph=True raises on any graph break: the projection switch must not cause one,

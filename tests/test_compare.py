@@ -10,6 +10,7 @@ from qkvlab.run.metrics import read_metrics
 from qkvlab.train.config import load_config
 
 
+@pytest.mark.slow
 def test_compare_trains_three_variants_and_reports(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the preset's data dir is relative: prepare it here
     out = tmp_path / "cmp"

@@ -21,10 +21,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import tiny_config
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import RESUME_HARMLESS, load_config, save_config
+from qkvlab.train.config import RESUME_HARMLESS, save_config
 from qkvlab.train.distributed import BatchPlan, _by_index, plan_batches
 from qkvlab.train.trainer import train
 
@@ -38,19 +39,11 @@ def config(data_dir: Path, out: Path, *extra: str):
 
     2 x 4 micro-batches: on 2 processes each runs 2 micro-steps, the first without a sync.
     """
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    return load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab}", "model.dropout=0.0",
-        f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2", "optim.decay_steps=8",
-        "train.max_steps=8", "train.batch_size=2", "train.grad_accum=4",
+    return tiny_config(
+        data_dir, "optim.decay_steps=8", "train.batch_size=2", "train.grad_accum=4",
         # 10 windows in batches of 4: 3 eval batches, so one rank of two runs a padding batch
-        "train.eval_interval=4", "train.eval_windows=10", "train.eval_batch_size=4",
-        "train.log_interval=1", "train.ckpt_interval=4", "train.keep_last=2",
-        "train.peak_flops=1e12", "train.tensorboard=false", "train.dtype=fp32",
-        "train.device=cpu", f"run.out_dir={out}", *extra,
-    ])
+        "train.eval_windows=10", "train.eval_batch_size=4", f"run.out_dir={out}", *extra,
+    )
 
 
 def free_port() -> int:
@@ -197,6 +190,7 @@ def _sync_worker(rank: int, port: int, mode: str, out_dir: str) -> None:
         _let_workers_finish()  # else gloo's threads may abort the exit (see session())
 
 
+@pytest.mark.slow
 @needs_gloo
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_no_gradient_sync_before_the_last_micro_step(mode, tmp_path):

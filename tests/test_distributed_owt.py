@@ -60,6 +60,7 @@ def encode(texts: list[str]) -> list[int]:
     return [i for ids in tok.encode_batch(texts) for i in [*ids, EOT]]
 
 
+@pytest.mark.slow
 def test_owt_path_split_multiprocess_uint16(web, hub, tmp_path):
     out = tmp_path / "owt"
     meta = prepare_module.prepare("openwebtext", "gpt2", out, num_proc=2)
@@ -83,6 +84,7 @@ def test_owt_path_split_multiprocess_uint16(web, hub, tmp_path):
     assert (out / "meta.json").stat().st_mtime_ns == before
 
 
+@pytest.mark.slow
 def test_owt_write_resumes_after_a_crash(web, hub, tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_module, "MAX_SHARDS", 16)  # 10 of them before the crash
     whole = tmp_path / "whole"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
+from conftest import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
@@ -26,16 +27,7 @@ from qkvlab.train.config import load_config, save_config
 def tiny_base(data_dir: Path, folder: Path) -> Path:
     """A 2 x 32 model (2 heads of 16), context 16, batch 4, 8 steps: milliseconds per step."""
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    cfg = load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab + 1}", "model.dropout=0.0",
-        f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2",
-        "train.max_steps=8", "train.batch_size=4", "train.grad_accum=1",
-        "train.eval_interval=4", "train.eval_windows=8", "train.log_interval=1",
-        "train.ckpt_interval=4", "train.keep_last=2", "train.peak_flops=1e12",
-        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
-    ])
+    cfg = tiny_config(data_dir, vocab=vocab + 1)
     folder.mkdir(parents=True, exist_ok=True)
     return save_config(cfg, folder / "base.toml")
 
@@ -185,6 +177,7 @@ def test_paired_t_matches_scipy():
 
 
 # ---- sweep ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
         data_dir, tmp_path, monkeypatch, capsys):
     spec = write_spec(tmp_path / "specs", data_dir)
@@ -293,6 +286,7 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     assert main(["archive", str(tmp_path), str(tmp_path / "x")]) == 2  # not a sweep folder
 
 
+@pytest.mark.slow
 def test_reuse_copies_finished_runs_of_the_same_config(data_dir, tmp_path, capsys):
     first = tmp_path / "first"
     assert main(["sweep", str(write_spec(tmp_path / "a", data_dir)), "--out", str(first)]) == 0
@@ -384,6 +378,7 @@ def test_missing_data_and_huge_grids_are_refused(data_dir, tmp_path, capsys):
     assert "needs --yes" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dry_run_print_commands_and_launcher(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "specs", data_dir)
     out = tmp_path / "sweep"
@@ -461,6 +456,7 @@ rule = "q-identity"
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.slow
 def test_jobs_trains_runs_in_parallel_with_the_same_results(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "a", data_dir)
     serial, parallel = tmp_path / "serial", tmp_path / "parallel"

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import tiny_config
 from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import objectives
-from qkvlab.train.config import load_config
 from qkvlab.train.distributed import DistContext
 from qkvlab.train.trainer import train
 
@@ -38,17 +38,10 @@ def vocab(data_dir: Path) -> int:
 
 
 def config(data_dir: Path, out: Path, *extra: str):
-    return load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab(data_dir) + 1}", "model.dropout=0.0", "model.causal=false",
-        f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2",
-        "train.max_steps=8", "train.batch_size=4", "train.grad_accum=2",
-        "train.eval_interval=4", "train.eval_windows=8", "train.log_interval=1",
-        "train.ckpt_interval=4", "train.peak_flops=1e12", "train.tensorboard=false",
-        "train.dtype=fp32", "train.device=cpu", "train.objective=mlm",
-        f"run.out_dir={out}", *extra,
-    ])
+    """The tiny run as a bidirectional masked-LM encoder (one extra id: the mask token)."""
+    return tiny_config(data_dir, "model.causal=false", "train.grad_accum=2",
+                       "train.objective=mlm", f"run.out_dir={out}", *extra,
+                       vocab=vocab(data_dir) + 1)
 
 
 def test_masking_is_bert_style():

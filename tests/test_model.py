@@ -156,6 +156,7 @@ def test_bf16_weights_on_cpu_get_an_fp32_cache_that_matches_the_full_forward():
     torch.testing.assert_close(step.float(), full.float(), atol=0.05, rtol=0.05)
 
 
+@pytest.mark.slow
 def test_compiled_generate_equals_eager_and_is_built_once_per_weights():
     from qkvlab.model.generate import compiled_forward
 

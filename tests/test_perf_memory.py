@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two child processes, each allocating and freeing 160 MiB 20 times
+
 # A step-like pattern: six 16 MiB activations and a 64 MiB one alive at once, then all freed, 10
 # times over; print the page faults it took. With glibc's defaults the blocks go back to the
 # kernel and are faulted in again every time (~4,000 faults per 16 MiB).

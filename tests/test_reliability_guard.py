@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
+from conftest import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.run import checkpoint as ck
@@ -33,23 +34,15 @@ from qkvlab.run import lock as run_lock
 from qkvlab.run.lock import RunLock
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
-from qkvlab.train.config import load_config, save_config
+from qkvlab.train.config import save_config
 from qkvlab.train.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 def config(data_dir: Path, out: Path, *extra: str):
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    return load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab}", "model.dropout=0.1",
-        f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=2", "optim.decay_steps=8",
-        "train.max_steps=8", "train.batch_size=4", "train.grad_accum=1",
-        "train.eval_interval=100", "train.eval_windows=8", "train.log_interval=1",
-        "train.ckpt_interval=2", "train.keep_last=2", "train.peak_flops=1e12",
-        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
-        f"run.out_dir={out}", *extra,
-    ])
+    """The tiny run with dropout, a checkpoint every 2 steps and no evaluation."""
+    return tiny_config(data_dir, "model.dropout=0.1", "optim.decay_steps=8",
+                       "train.eval_interval=100", "train.ckpt_interval=2",
+                       f"run.out_dir={out}", *extra)
 
 
 def losses(run: Path) -> list[tuple]:
@@ -341,6 +334,7 @@ def test_racing_for_a_stale_lock_only_one_wins(tmp_path):
         wins[0].__exit__(None, None, None)
 
 
+@pytest.mark.slow
 def test_second_run_refused_while_the_first_lives_then_takes_over(data_dir, tmp_path, capsys):
     run = tmp_path / "run"
     cfg_file = save_config(config(data_dir, run, "train.max_steps=400",

@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from conftest import tiny_overrides
 from qkvlab.cli import build_parser, main
 from qkvlab.data.prepare import prepare
 from qkvlab.fsutil import sha256_file
@@ -87,16 +88,15 @@ class World:
     vocab: int
 
 
-def tiny_overrides(data_dir: Path, vocab: int) -> list[str]:
+def bare_overrides(data_dir: Path, vocab: int) -> list[str]:
     # no norm, skips around attention only: the model converts exactly, so `convert` refuses
     # the hostile input, not the theory
-    return ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-            "model.norm=none", "model.residual=attention",
-            f"model.vocab_size={vocab}", f"data.dir={data_dir}", "data.prepare_if_missing=false",
-            "optim.warmup_steps=1", "train.max_steps=2", "train.batch_size=2",
-            "train.eval_interval=2", "train.eval_windows=4", "train.ckpt_interval=1",
-            "train.keep_last=2", "train.peak_flops=1e12", "train.tensorboard=false",
-            "train.dtype=fp32", "train.device=cpu", "train.compile=false"]
+    # (data_dir may hold a broken dataset: the vocabulary is passed, not read from it)
+    return tiny_overrides(
+        data_dir, "model.norm=none", "model.residual=attention", "model.dropout=0.2",
+        "optim.lr=1e-3", "optim.min_lr=1e-4", "optim.warmup_steps=1", "train.max_steps=2",
+        "train.batch_size=2", "train.eval_interval=2", "train.eval_windows=4",
+        "train.log_interval=10", "train.ckpt_interval=1", "train.compile=false", vocab=vocab)
 
 
 @pytest.fixture(scope="module")
@@ -109,10 +109,10 @@ def world(tmp_path_factory) -> World:
     data = root / "data"
     prepare(str(root / "verse.txt"), "char", data, val_fraction=0.1)
     vocab = json.loads((data / "meta.json").read_text())["vocab_size"]
-    cfg = load_config("shakespeare-char", [*tiny_overrides(data, vocab),
+    cfg = load_config("shakespeare-char", [*bare_overrides(data, vocab),
                                            f"run.out_dir={root / 'run'}"])
     train(cfg, quiet=True)
-    other = load_config("shakespeare-char", [*tiny_overrides(data, vocab), "model.n_embd=48",
+    other = load_config("shakespeare-char", [*bare_overrides(data, vocab), "model.n_embd=48",
                                              "train.max_steps=1", f"run.out_dir={root / 'o'}"])
     train(other, quiet=True)
     base = {s: {k: v for k, v in t.items() if v is not None} for s, t in cfg.to_dict().items()}
@@ -314,6 +314,7 @@ def toml_literal(value: Any) -> str:
     return tomli_w.dumps({"v": value}).partition("=")[2].strip()
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=200)
 @given(defects=st.lists(config_defect(), min_size=1, max_size=3))
 def test_malformed_config_files(world, defects):
@@ -324,13 +325,14 @@ def test_malformed_config_files(world, defects):
         refused(["train", str(cfg), "--out", str(d / "run")], d, [world.data], "config file")
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=80)
 @given(defects=st.lists(config_defect(for_override=True), min_size=1, max_size=2))
 def test_malformed_set_overrides(world, defects):
     with workdir(world) as d:
         d = Path(d)
-        cfg = save_config(load_config("shakespeare-char", tiny_overrides(world.data,
-                                                                         world.vocab)),
+        cfg = save_config(load_config("shakespeare-char", bare_overrides(world.data,
+                                                                          world.vocab)),
                           d / "good.toml")
         argv = ["train", str(cfg), "--out", str(d / "run")]
         for defect in defects:
@@ -467,6 +469,7 @@ def _to_val(arg: Any) -> Any:
     return ("val", *arg[1:]) if isinstance(arg, tuple) else "val"
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=160)
 @given(defects=st.lists(data_defect(), min_size=1, max_size=3), via_eval=st.booleans())
 def test_malformed_data_folders(world, defects, via_eval):
@@ -486,7 +489,7 @@ def test_malformed_data_folders(world, defects, via_eval):
                     "data folder")
         else:
             cfg = save_config(load_config("shakespeare-char", [
-                *tiny_overrides(bad, world.vocab)]), d / "c.toml")
+                *bare_overrides(bad, world.vocab)]), d / "c.toml")
             refused(["train", str(cfg), "--out", str(d / "run")], d, [world.data],
                     "data folder")
 
@@ -722,6 +725,7 @@ def checkpoint_argv(command: str, run: Path, ckpt: Path, d: Path, direct: bool) 
             "train": ["train", str(run), "--resume"]}[command]
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=250)
 @given(defects=st.lists(ckpt_defect(), min_size=1, max_size=2),
        command=st.sampled_from(["eval", "sample", "convert", "train"]), direct=st.booleans())
@@ -748,6 +752,7 @@ def test_malformed_checkpoints(world, defects, command, direct):
                 "checkpoint")
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=60)
 @given(defect=ckpt_defect(optimizer_only=True))
 def test_malformed_optimizer_state_on_resume(world, defect):
@@ -786,6 +791,7 @@ def _plausible_vocab(content: bytes, size: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=60)
 @given(defect=tokenizer_defect())
 def test_malformed_run_tokenizer(world, defect):
@@ -898,6 +904,7 @@ def bad_sample_or_eval(draw) -> list[str]:
     return argv
 
 
+@pytest.mark.slow
 @settings(FUZZ, max_examples=80)
 @given(argv=bad_sample_or_eval())
 def test_out_of_range_sample_and_eval_arguments(world, argv):
@@ -913,8 +920,8 @@ def test_out_of_range_sample_and_eval_arguments(world, argv):
 def test_bad_set_syntax(world, args):
     with workdir(world) as d:
         d = Path(d)
-        cfg = save_config(load_config("shakespeare-char", tiny_overrides(world.data,
-                                                                         world.vocab)),
+        cfg = save_config(load_config("shakespeare-char", bare_overrides(world.data,
+                                                                          world.vocab)),
                           d / "good.toml")
         refused(["train", str(cfg), "--out", str(d / "run"), *args], d, [world.data],
                 "argv values")
@@ -933,7 +940,7 @@ def test_bad_paths_and_prepare_arguments(world, case):
             "folder": ["train", str(d / "empty")],
             "binary": ["train", str(d / "afile")],
             "out_is_file": ["train", str(save_config(load_config("shakespeare-char",
-                            tiny_overrides(world.data, world.vocab)), d / "c.toml")),
+                            bare_overrides(world.data, world.vocab)), d / "c.toml")),
                             "--out", str(d / "afile")],
             "prepare_tokenizer": ["prepare", "shakespeare", "--tokenizer", "bpe:-3", "--out",
                                   str(d / "p")],
@@ -970,6 +977,7 @@ def unpickle_elsewhere(raw: bytes, loader: str, tmp: Path) -> None:
                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(SRC)})
 
 
+@pytest.mark.slow
 def test_pickle_payloads_are_refused_without_running(world, tmp_path):
     marker = tmp_path / "PWNED"
     control = tmp_path / "CONTROL"

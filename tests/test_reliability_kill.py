@@ -22,10 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import tiny_config
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import load_config, save_config
+from qkvlab.train.config import save_config
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_STEPS = 45
@@ -39,18 +40,9 @@ LEFTOVER_PREFIXES = (".tmp-ckpt-", ".old-", ".trash-")
 
 def make_config(root: Path, data_dir: Path) -> Path:
     """A 2 x 32 fp32 model with dropout (so RNG state matters), a checkpoint every 3 steps."""
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    cfg = load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab}", "model.dropout=0.1",
-        f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "optim.lr=3e-3", "optim.min_lr=3e-4", "optim.warmup_steps=5",
-        f"train.max_steps={MAX_STEPS}", "train.batch_size=4", "train.grad_accum=2",
-        "train.eval_interval=9", "train.eval_windows=8", "train.log_interval=1",
-        "train.ckpt_interval=3", "train.keep_last=2", "train.peak_flops=1e12",
-        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
-        "train.compile=false",
-    ])
+    cfg = tiny_config(data_dir, "model.dropout=0.1", "optim.warmup_steps=5",
+                      f"train.max_steps={MAX_STEPS}", "train.grad_accum=2",
+                      "train.eval_interval=9", "train.ckpt_interval=3", "train.compile=false")
     return save_config(cfg, root / "tiny.toml")
 
 

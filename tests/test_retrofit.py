@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
@@ -18,23 +18,16 @@ from qkvlab.retrofit.heal import HealConfig, distill_loss
 from qkvlab.retrofit.init import attention_moments, build_student
 from qkvlab.run.load import load_model
 from qkvlab.theory.common import random_model
-from qkvlab.train.config import load_config
 from qkvlab.train.trainer import train
 
 
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory) -> Path:
     """A 2 x 32 standard pre-LN GPT (full skips, LayerNorm) trained for 40 steps."""
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
     run = tmp_path_factory.mktemp("runs") / "base"
-    cfg = load_config("shakespeare-char", [
-        "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
-        f"model.vocab_size={vocab}", "model.dropout=0.0", f"data.dir={data_dir}",
-        "data.prepare_if_missing=false", "optim.lr=3e-3", "optim.min_lr=3e-4",
-        "optim.warmup_steps=4", "train.max_steps=40", "train.batch_size=8",
-        "train.eval_interval=40", "train.eval_windows=8", "train.ckpt_interval=40",
-        "train.tensorboard=false", "train.dtype=fp32", "train.device=cpu",
-        "train.peak_flops=1e12", f"run.out_dir={run}"])
+    cfg = tiny_config(data_dir, "optim.warmup_steps=4", "train.max_steps=40",
+                      "train.batch_size=8", "train.eval_interval=40", "train.ckpt_interval=40",
+                      "train.log_interval=10", f"run.out_dir={run}")
     train(cfg, quiet=True)
     return run
 
@@ -107,6 +100,7 @@ def test_distill_loss_is_zero_against_itself():
     assert float(distill_loss(logits, torch.randn(2, 5, 11))) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distill", [False, True])
 def test_retrofit_checkpoint_heals_and_writes(trained, tmp_path, distill):
     hc = HealConfig(steps=6, batch_size=8, lr=1e-3, eval_every=3, distill=distill)
@@ -126,6 +120,7 @@ def test_retrofit_checkpoint_heals_and_writes(trained, tmp_path, distill):
     assert "| original (learned W_Q) |" in report.table()
 
 
+@pytest.mark.slow
 def test_cli_retrofit(trained, tmp_path, capsys):
     out = tmp_path / "rf"
     assert main(["retrofit", str(trained), "--to", "q-identity", "--steps", "2",

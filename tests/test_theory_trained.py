@@ -18,6 +18,8 @@ from qkvlab.model.gpt import GPT
 from qkvlab.theory import convert
 from qkvlab.theory.convert_checkpoint import compare_models
 
+pytestmark = pytest.mark.slow  # trains a model for a few hundred steps
+
 STEPS, BATCH, CTX, D, LAYERS = 300, 16, 64, 64, 2
 
 

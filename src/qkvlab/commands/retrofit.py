@@ -71,7 +71,12 @@ def _print_report(report: RetrofitReport, hc: HealConfig, to: str) -> None:
     if hc.steps == 0:
         print(f"gap to the original: {gap0:+.4f} after conversion (no healing: --steps 0)")
         return
-    closed = 100 * (1 - gap1 / gap0) if gap0 > 0 else math.nan
+    if not (math.isfinite(gap0) and gap0 > 0):
+        # no gap to close: a share of it would be a division by zero (or by a gain)
+        print(f"gap to the original: {gap0:+.4f} after conversion (conversion did not raise "
+              f"the loss), {gap1:+.4f} after healing")
+        return
+    closed = 100 * (1 - gap1 / gap0)
     print(f"gap to the original: {gap0:+.4f} after conversion, {gap1:+.4f} after healing "
           f"({closed:.0f}% closed; with CE healing part of it is just extra training)")
 
@@ -95,7 +100,7 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--eval-every", type=int, default=None,
                    help="validation interval in steps (default: steps / 4)")
     p.add_argument("--windows", type=int, default=None,
-                   help="validation windows (default: the run's eval_windows, at most 64)")
+                   help="validation windows (default: the run's eval_windows, at most 128)")
     p.add_argument("--calib-batches", type=int, default=8,
                    help="training batches whose activations fit the regress init")
     p.add_argument("--compare-inits", action="store_true",
@@ -103,5 +108,7 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the healing batches")
     p.add_argument("--out", default=None,
                    help="checkpoint folder to write (default RUN/retrofit-q-identity)")
-    p.add_argument("--data", default=None, help="prepared data folder (default: the run's)")
+    p.add_argument("--data", default=None,
+                   help="prepared data folder (default: the run's; an imported model without "
+                        "a tokenizer takes this folder's, whose vocabulary must fit the model)")
     register(p, RetrofitOptions, run_retrofit)

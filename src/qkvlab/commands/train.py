@@ -44,6 +44,9 @@ def run_train(opts: TrainOptions) -> int:
     val, ppl = summary["final_val_loss"], summary["final_val_ppl"]
     val_s = "no val loss" if val is None else \
         f"val loss {val:.4f} (ppl {ppl if ppl is not None else math.nan:.2f})"
+    val_step = summary.get("final_val_step")
+    if val is not None and val_step != summary["steps"]:  # stopped between evals
+        val_s = "last " + val_s + (f" at step {val_step}" if val_step is not None else "")
     state = "stopped" if summary["interrupted"] else "done"
     print(f"{state} at step {summary['steps']}: {val_s}, {summary['tokens_per_s']:,.0f} tok/s, "
           f"MFU {100 * summary['mfu']:.1f}%, run {summary['run_dir']}")
@@ -76,19 +79,32 @@ class EvalOptions:
     lm_eval: str | None = None
     lm_eval_limit: int | None = None
     lm_eval_batch_size: int | None = None
+    dtype: str | None = None
+
+
+def eval_dtype(opts: EvalOptions, ckpt: Checkpoint) -> str:
+    """--dtype, else fp32 for an imported model (it is compared with transformers' float32
+    logits; bf16 autocast moves its loss in the 4th decimal), else the run's train.dtype."""
+    from qkvlab.retrofit.checkpoint import IMPORTED_KIND
+
+    if opts.dtype:
+        return opts.dtype
+    return "fp32" if ckpt.state.get("kind") == IMPORTED_KIND else ckpt.config.train.dtype
 
 
 def run_eval(opts: EvalOptions) -> int:
     """Print the validation loss and perplexity of a checkpoint on fixed val windows."""
     if opts.lm_eval:  # lm-evaluation-harness instead (qkvlab.hf.harness)
         return _run_lm_eval(opts)
+    from qkvlab.retrofit.checkpoint import data_config
     from qkvlab.run import guard
     from qkvlab.run.device import evaluate, perplexity
     from qkvlab.run.load import check_vocab, open_data
 
     model, ckpt, device = _load(opts.path)
     cfg = ckpt.config
-    data_cfg = cfg.data if not opts.data else dataclasses.replace(cfg.data, dir=str(opts.data))
+    dtype = eval_dtype(opts, ckpt)
+    data_cfg = data_config(ckpt, opts.data)  # the run's, or --data
     data = open_data(data_cfg)
     check_vocab(cfg, data)
     windows = opts.windows if opts.windows is not None else cfg.train.eval_windows
@@ -104,18 +120,30 @@ def run_eval(opts: EvalOptions) -> int:
 
         x, y = objectives.eval_inputs(cfg, data.vocab_size, x, y)
         loss, acc = objectives.evaluate_model_masked(
-            model, x, y, cfg.train.eval_batch_size or cfg.train.batch_size, device,
-            cfg.train.dtype)
+            model, x, y, cfg.train.eval_batch_size or cfg.train.batch_size, device, dtype)
+        _refuse_nonfinite(ckpt, loss)
         print(f"{ckpt.path} (step {ckpt.step}): masked-token loss {loss:.4f}, accuracy "
               f"{acc:.4f} ({windows} windows x {block} tokens of {data.data_dir})")
         return 0
     loss = evaluate(model, x, y, cfg.train.eval_batch_size or cfg.train.batch_size, device,
-                    cfg.train.dtype)
+                    dtype)
+    _refuse_nonfinite(ckpt, loss)
     ppl = perplexity(loss)
     print(f"{ckpt.path} (step {ckpt.step}): val loss {loss:.4f}, perplexity "
           f"{ppl if ppl is not None else math.nan:.2f} ({windows} windows x {block} tokens of "
           f"{data.data_dir})")
     return 0
+
+
+def _refuse_nonfinite(ckpt: Checkpoint, loss: float) -> None:
+    """Finite weights can still overflow in the forward pass: that is no val loss to report.
+
+    (Non-finite weights are refused earlier, by load_model_state.)
+    """
+    if not math.isfinite(loss):
+        raise QkvlabError(f"checkpoint {ckpt.path} (step {ckpt.step}) gives a non-finite val "
+                          f"loss ({loss}): its weights come from a diverged run; evaluate an "
+                          "earlier checkpoint")
 
 
 def _run_lm_eval(opts: EvalOptions) -> int:
@@ -213,6 +241,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("path", help="run folder or checkpoint folder")
     p.add_argument("--windows", type=int, default=None, help="number of validation windows")
     p.add_argument("--data", default=None, help="prepared data folder (default: the run's)")
+    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+                   help="evaluation precision (default: the run's train.dtype; fp32 for an "
+                        "imported model)")
     p.add_argument("--lm-eval", default=None, metavar="TASKS",
                    help="run lm-evaluation-harness tasks (comma-separated) on the model exported "
                         "to transformers instead; PATH may also be a `qkvlab export` folder")

@@ -1,8 +1,9 @@
-"""Hugging Face interop: export to / import from the GPT-2 architecture of `transformers`, and
-lm-eval-harness on an exported model.
+"""Hugging Face interop: export to / import from the GPT-2 and Llama architectures of
+`transformers`, and lm-eval-harness on an exported model.
 
-The weight mapping lives in `qkvlab.hf.gpt2` and needs neither `transformers` nor the hub: a
-model directory is config.json + model.safetensors, written and read with json and safetensors.
+The weight mappings live in `qkvlab.hf.gpt2` and `qkvlab.hf.llama` and need neither
+`transformers` nor the hub: a model directory is config.json + model.safetensors, written and
+read with json and safetensors.
 `transformers` is only imported to verify an export (logits compared) when it is installed.
 """
 

@@ -1,10 +1,12 @@
 """`qkvlab export CHECKPOINT --format hf OUT_DIR`: a transformers model directory.
 
-The directory holds config.json (GPT2LMHeadModel), model.safetensors, the tokenizer files where
+The directory holds config.json (LlamaForCausalLM for a Llama-style model: RMSNorm, RoPE and a
+SwiGLU MLP; GPT2LMHeadModel otherwise), model.safetensors, the tokenizer files where
 Hugging Face has a matching tokenizer (gpt2: vocab.json + merges.txt; bpe:N: tokenizer.json), and
 qkvlab_tokenizer/ (qkvlab's own tokenizer tables, so `qkvlab import-hf` restores sampling for
 char/bytes models too). `AutoModelForCausalLM.from_pretrained(OUT_DIR)` loads it with no custom
-code; when transformers is installed the export is verified by comparing logits.
+code; when transformers is installed the export is verified by comparing logits, and an export
+whose logits differ is not written.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,8 @@ from safetensors.torch import save_file
 from qkvlab.data.cache import fetch_file
 from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, TOKENIZER_FILES
 from qkvlab.errors import QkvlabError
-from qkvlab.hf.gpt2 import QKVLAB_KEY, to_gpt2
+from qkvlab.hf.gpt2 import QKVLAB_KEY, export_problem, to_gpt2
+from qkvlab.hf.llama import LLAMA_ARCH, is_llama_style, llama_problem, to_llama
 from qkvlab.model.gpt import GPT
 from qkvlab.run.load import find_tokenizer_dir, load_model
 
@@ -34,7 +38,11 @@ WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 QKVLAB_TOKENIZER_DIR = "qkvlab_tokenizer"
 ENDOFTEXT = "<|endoftext|>"
-VERIFY_TOL = 1e-4  # float32 max |logit diff| above which the export is reported as wrong
+VERIFY_TOL = 1e-4  # float32 max |logit diff| above which an export or import is wrong
+# ... or this fraction of the largest |logit|, whichever is larger: float32 rounding grows with
+# the logits' size (a real GPT-2's reach 100), a mapping error shows up at order one
+VERIFY_RTOL = 1e-5
+GPT2_ARCH = "GPT2LMHeadModel"
 
 
 @dataclass
@@ -119,8 +127,11 @@ def _check_out_dir(out: Path, source: Path) -> None:
 
 def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
                     files: dict[str, bytes] | None = None,
-                    subdirs: dict[str, dict[str, bytes]] | None = None) -> Path:
-    """Write a model directory atomically (a temp sibling renamed into place)."""
+                    subdirs: dict[str, dict[str, bytes]] | None = None,
+                    check: Callable[[Path], None] | None = None) -> Path:
+    """Write a model directory atomically (a temp sibling renamed into place). `check` runs on
+    the complete temp folder first: when it raises, nothing is left behind and an earlier
+    folder at `out` is kept."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-hf-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -135,6 +146,8 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
                 (tmp / sub).mkdir()
                 for name, data in sub_files.items():
                     (tmp / sub / name).write_bytes(data)
+        if check is not None:
+            check(tmp)
         old = None
         if out.exists():
             old = out.parent / f".old-hf-{out.name}-{uuid.uuid4().hex[:8]}"
@@ -174,20 +187,57 @@ def load_hf_model(model_dir: Path) -> torch.nn.Module:
 
 
 @torch.no_grad()
-def hf_logit_diff(model: GPT, model_dir: Path, *, seed: int = 0, batch: int = 2,
-                  length: int = 32) -> float:
-    """max |logits| difference between `model` and transformers' load of `model_dir`, float32.
-
-    Needs transformers. Random token ids; both models in eval mode on the CPU.
-    """
-    hf = load_hf_model(model_dir)
+def hf_logit_check(model: GPT, model_dir: Path, *, seed: int = 0, batch: int = 2,
+                   length: int = 32) -> tuple[float, float]:
+    """(max |logits| difference, the largest |logit|) between `model` and transformers' load
+    of `model_dir`, both in float32 eval mode on the CPU, on random token ids. Needs
+    transformers; a folder it cannot load or run is a one-line error."""
+    try:
+        hf = load_hf_model(model_dir)
+    except Exception as exc:  # transformers raises many types on a folder it rejects
+        raise QkvlabError(f"transformers could not load the model to compare logits "
+                          f"({_first_line(exc)})") from None
     ours = model.float().eval().cpu()
     gen = torch.Generator().manual_seed(seed)
     idx = torch.randint(model.cfg.vocab_size, (batch, min(length, model.cfg.block_size)),
                         generator=gen)
     a = ours(idx)[0]
-    b = hf(input_ids=idx).logits
-    return float((a - b).abs().max())
+    try:
+        b = hf(input_ids=idx).logits.float()
+    except Exception as exc:
+        raise QkvlabError(f"transformers could not run the model to compare logits "
+                          f"({_first_line(exc)})") from None
+    if a.shape != b.shape:
+        raise QkvlabError(f"transformers computes logits of shape {list(b.shape)}, qkvlab "
+                          f"{list(a.shape)}: the two models differ")
+    diff = (a - b).abs().max()
+    return (float(diff) if bool(torch.isfinite(diff)) else math.inf), float(b.abs().max())
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
+
+
+def hf_logit_diff(model: GPT, model_dir: Path, **kw: Any) -> float:
+    """max |logits| difference between `model` and transformers' load of `model_dir`."""
+    return hf_logit_check(model, model_dir, **kw)[0]
+
+
+def logit_tolerance(largest: float) -> float:
+    """The largest max |logit diff| that float32 rounding explains for logits this large."""
+    return max(VERIFY_TOL, VERIFY_RTOL * largest)
+
+
+def verified_logit_diff(model: GPT, model_dir: Path, what: str) -> float:
+    """hf_logit_check, refused (one line) when the difference is more than rounding."""
+    diff, largest = hf_logit_check(model, model_dir)
+    tol = logit_tolerance(largest)
+    if not diff <= tol:
+        raise QkvlabError(f"{what}: transformers computes different logits (max |logit diff| "
+                          f"{diff:.3g} > {tol:.1g}), so nothing was written; this is a bug "
+                          "in the mapping or a model qkvlab does not reproduce")
+    return diff
 
 
 @dataclass
@@ -197,24 +247,30 @@ class ExportResult:
     tokenizer_note: str
     scheme_note: str
     max_logit_diff: float | None  # None: transformers not installed, not verified
+    architecture: str = GPT2_ARCH  # the transformers class written: GPT2LMHeadModel or Llama
 
 
-def scheme_note(model: GPT) -> str:
-    """How the model's projection scheme was written into GPT-2's c_attn block."""
+def scheme_note(model: GPT, architecture: str = GPT2_ARCH) -> str:
+    """How the model's projection scheme was written into GPT-2's c_attn block (or Llama's
+    q/k/v_proj)."""
     cfg = model.cfg
     r = cfg.scale * math.sqrt(cfg.d_head)
-    ratio = "" if r == 1.0 else f" (scale ratio s*sqrt(d_k) = {r:g} folded in)"
+    llama = architecture == LLAMA_ARCH
+    q, k, v = (("q_proj", "k_proj", "v_proj") if llama
+               else ("the query block", "the key block", "the value block"))
+    ratio = "" if r == 1.0 else f" (scale ratio s*sqrt(d_k) = {r:g} folded into {q})"
     text = {
         "baseline": f"W_Q, W_K, W_V written as they are{ratio}",
-        "q-identity": f"W_Q = I written as {r:g} I in the query block",
-        "k-identity": f"W_K = I written as {r:g} I in the key block",
-        "v-identity": f"W_V = I written as I in the value block{ratio}",
+        "q-identity": f"W_Q = I written as {r:g} I in {q}",
+        "k-identity": f"W_K = I written as {r:g} I in {k}",
+        "v-identity": f"W_V = I written as I in {v}{ratio}",
     }[cfg.projection]
     if cfg.learned_scale:
-        carrier = "key" if cfg.projection == "k-identity" else "query"
-        text += f"; the learned per-head logit gains folded into the {carrier} block"
+        carrier = k if cfg.projection == "k-identity" else q
+        text += f"; the learned per-head logit gains folded into {carrier}"
     if cfg.kv_heads != cfg.n_head:
-        text += f"; {cfg.kv_heads} key/value heads repeated to {cfg.n_head}"
+        text += (f"; {cfg.kv_heads} key/value heads as num_key_value_heads" if llama
+                 else f"; {cfg.kv_heads} key/value heads repeated to {cfg.n_head}")
     if cfg.share_layers:
         text += f"; the shared block written {cfg.n_layer} times"
     if cfg.positions == "none":
@@ -222,14 +278,31 @@ def scheme_note(model: GPT) -> str:
     return text
 
 
+def export_architecture(model: GPT) -> str:
+    """The transformers class that holds `model` exactly: Llama for a Llama-style model (RMSNorm,
+    RoPE, SwiGLU), GPT-2 otherwise; one line with both reasons when neither can."""
+    cfg = model.cfg
+    if is_llama_style(cfg):
+        problem = llama_problem(cfg)
+        if problem is None:
+            return LLAMA_ARCH
+    elif export_problem(cfg) is None:
+        return GPT2_ARCH
+    reasons = f"{export_problem(cfg)}; {llama_problem(cfg)}"
+    raise QkvlabError(f"cannot export: {reasons}; no exact export exists (train with a GPT-2- or "
+                      "Llama-compatible config, see docs/hf.md)")
+
+
 def export_checkpoint(path: str | Path, out: str | Path, *, fmt: str = "hf",
                       dtype: str = "float32", verify: bool = True) -> ExportResult:
-    """Export a qkvlab checkpoint (run or checkpoint folder) as a transformers GPT-2 folder."""
+    """Export a qkvlab checkpoint (run or checkpoint folder) as a transformers folder: a
+    LlamaForCausalLM for a Llama-style model, a GPT2LMHeadModel otherwise."""
     if fmt not in FORMATS:
         raise QkvlabError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise QkvlabError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     model, ckpt = load_model(path, "cpu")
+    arch = export_architecture(model)
     out = Path(out).expanduser()
     _check_out_dir(out, ckpt.path)
     tok = tokenizer_export(ckpt, model.cfg.block_size)
@@ -239,10 +312,22 @@ def export_checkpoint(path: str | Path, out: str | Path, *, fmt: str = "hf",
     model = model.to(DTYPES[dtype])
     extra = {"source": str(ckpt.path), "step": ckpt.step, "data": ckpt.config.to_dict()["data"],
              "tokenizer": tok.spec}
-    config, tensors = to_gpt2(model, eot_token=tok.eot_token, extra=extra)
-    write_model_dir(out, config, tensors, tok.files, {QKVLAB_TOKENIZER_DIR: tok.qkvlab_files})
-    diff = None
-    if verify and transformers_available():
-        diff = hf_logit_diff(model, out)
+    to_hf = to_llama if arch == LLAMA_ARCH else to_gpt2
+    config, tensors = to_hf(model, eot_token=tok.eot_token, extra=extra)
+    diffs: list[float] = []
+
+    def check(folder: Path) -> None:
+        if dtype == "float32":
+            diffs.append(verified_logit_diff(model, folder, f"export to {out}"))
+        else:
+            # factors folded into a weight (the scale ratio, learned gains) are rounded to
+            # bf16/fp16 after folding, qkvlab's own weights before: the two differ at that
+            # precision, so only the float32 export is held to float32 rounding
+            diffs.append(hf_logit_diff(model, folder))
+
+    verify = verify and transformers_available()
+    write_model_dir(out, config, tensors, tok.files, {QKVLAB_TOKENIZER_DIR: tok.qkvlab_files},
+                    check=check if verify else None)
     files = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    return ExportResult(out, files, tok.note, scheme_note(model), diff)
+    return ExportResult(out, files, tok.note, scheme_note(model, arch),
+                        diffs[0] if diffs else None, arch)

@@ -204,14 +204,81 @@ def _need_int(config: dict[str, Any], *names: str, default: int | None = None) -
     return value
 
 
+# The torch dtype names a config.json may record (transformers 4: torch_dtype, 5: dtype).
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+# config.json fields the GPT-2 import reads (or transformers does when it loads the folder), by
+# the JSON type they must have. A wrong type is refused before anything is computed: Python's
+# float("abc") would raise a traceback, and bool("false") is True.
+GPT2_FIELD_TYPES: dict[str, str] = {
+    "vocab_size": "int", "n_embd": "int", "n_head": "int", "n_layer": "int",
+    "n_positions": "int", "n_inner": "int?", "layer_norm_epsilon": "positive",
+    "initializer_range": "positive", "resid_pdrop": "prob", "embd_pdrop": "prob",
+    "attn_pdrop": "prob", "activation_function": "str", "tie_word_embeddings": "bool",
+    "scale_attn_weights": "bool", "scale_attn_by_inverse_layer_idx": "bool",
+    "reorder_and_upcast_attn": "bool", "add_cross_attention": "bool", "use_cache": "bool",
+}
+# Fields every supported architecture shares: token ids, the recorded dtype, the class names.
+COMMON_FIELD_TYPES: dict[str, str] = {
+    "bos_token_id": "token?", "eos_token_id": "token?", "pad_token_id": "token?",
+    "torch_dtype": "dtype?", "dtype": "dtype?", "architectures": "names?",
+}
+_KIND_WORDS = {
+    "int": "a positive integer", "positive": "a number > 0", "prob": "a number in [0, 1)",
+    "str": "a string", "bool": "true or false", "token": "a token id (an integer >= 0)",
+    "dtype": f"one of {', '.join(DTYPE_NAMES)}", "names": "a list of strings",
+}
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _has_kind(value: Any, kind: str) -> bool:
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    if kind == "positive":
+        return _is_number(value) and value > 0
+    if kind == "prob":
+        return _is_number(value) and 0 <= value < 1
+    if kind == "str":
+        return isinstance(value, str)
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "token":  # eos_token_id may also be a list of ids
+        ids = value if isinstance(value, list) else [value]
+        return all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)
+    if kind == "dtype":
+        return isinstance(value, str) and value.removeprefix("torch.") in DTYPE_NAMES
+    if kind == "names":
+        return isinstance(value, list) and all(isinstance(n, str) for n in value)
+    raise ValueError(kind)
+
+
+def check_field_types(config: dict[str, Any], types: dict[str, str]) -> None:
+    """Refuse (one line, naming the field) a present field whose JSON value has the wrong type;
+    a kind ending in "?" also accepts null (transformers' own default then applies)."""
+    for key, kind in types.items():
+        if key not in config:
+            continue
+        value, base = config[key], kind.rstrip("?")
+        if value is None and kind.endswith("?"):
+            continue
+        if not _has_kind(value, base):
+            raise QkvlabError(f"config.json: {key} must be {_KIND_WORDS[base]}, got {value!r}")
+
+
 def check_gpt2_config(config: dict[str, Any]) -> None:
     """Refuse (one line) a config.json that is not a GPT-2 qkvlab can reproduce exactly."""
     model_type = config.get("model_type")
     if model_type != "gpt2":
-        arch = ", ".join(config.get("architectures") or []) or "unknown architecture"
+        arch = config.get("architectures")
+        arch = ", ".join(map(str, arch)) if isinstance(arch, list) and arch else \
+            "unknown architecture"
         raise QkvlabError(
             f"config.json has model_type={model_type!r} ({arch}): only GPT-2-architecture "
             "models (model_type gpt2) can be imported")
+    check_field_types(config, {**COMMON_FIELD_TYPES, **GPT2_FIELD_TYPES})
     if config.get("add_cross_attention"):
         raise QkvlabError("config.json: add_cross_attention=true (an encoder-decoder GPT-2): "
                           "qkvlab has no cross-attention")
@@ -265,7 +332,7 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
     T = _need_int(config, "n_positions", "max_position_embeddings", default=1024)
     inner = _need_int(config, "n_inner", default=4 * d)
     dk = d // H
-    tied = bool(config.get("tie_word_embeddings", True))
+    tied = config.get("tie_word_embeddings", True)  # a bool: check_gpt2_config saw to it
     sd = _float32_weights(tensors, notes)
     _check_weights(sd, _gpt2_shapes(d, L, V, T, inner, tied), V, tied, notes)
 
@@ -344,8 +411,12 @@ def _check_weights(sd: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...
     """Refuse weights that are not exactly `shapes`, or not finite; drop a tied head's copy."""
     if tied and "lm_head.weight" in sd:
         if not torch.equal(sd["lm_head.weight"], sd.get("wte.weight", sd["lm_head.weight"])):
-            notes.append("tie_word_embeddings=true: the stored lm_head.weight is ignored, the "
-                         "head is the token embedding (as transformers does)")
+            # transformers 5 then keeps the stored head and 4.x ties it to the embedding: the
+            # folder means two different models, so neither is guessed
+            raise QkvlabError("config.json ties the head to the embedding "
+                              "(tie_word_embeddings: true) but the weights hold a different "
+                              "lm_head.weight: set tie_word_embeddings to false to keep that "
+                              "head, or remove lm_head.weight to use the embedding")
         del sd["lm_head.weight"]
     for key in ("wte.weight", "lm_head.weight"):
         if key in sd and key in shapes and sd[key].dim() == 2 and sd[key].shape[0] != V:

@@ -1,15 +1,20 @@
-"""`qkvlab import-hf MODEL_DIR`: a local GPT-2-architecture transformers model -> a qkvlab
-checkpoint folder (safetensors + JSON) that `qkvlab eval`, `sample`, `convert`, `retrofit` and
-`export` read.
+"""`qkvlab import-hf MODEL_DIR`: a local transformers model of the GPT-2 (GPT2LMHeadModel) or
+Llama (LlamaForCausalLM) architecture -> a qkvlab checkpoint folder (safetensors + JSON) that
+`qkvlab eval`, `sample`, `convert`, `retrofit` and `export` read.
 
 Only config.json and safetensors weights are read (json and safetensors: nothing is executed or
-unpickled). A directory with pytorch_model.bin only is refused with the conversion to do.
+unpickled). A directory with pytorch_model.bin only is refused with the conversion to do. The
+checkpoint is written to a temporary sibling folder and renamed into place only once its logits
+match transformers' (when transformers is installed), so a refused import leaves nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,16 +30,26 @@ from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.hf.export import (
     CONFIG_FILE,
+    GPT2_ARCH,
     QKVLAB_TOKENIZER_DIR,
     WEIGHTS_FILE,
-    hf_logit_diff,
     transformers_available,
+    verified_logit_diff,
 )
-from qkvlab.hf.gpt2 import QKVLAB_KEY, check_gpt2_config, from_gpt2
+from qkvlab.hf.gpt2 import (
+    COMMON_FIELD_TYPES,
+    QKVLAB_KEY,
+    check_field_types,
+    check_gpt2_config,
+    from_gpt2,
+)
+from qkvlab.hf.llama import LLAMA_ARCH, check_llama_config, from_llama
 from qkvlab.model.gpt import GPT
+from qkvlab.retrofit.checkpoint import IMPORTED_KIND, NO_TOKENIZER
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.layout import TOKENIZER_DIR
-from qkvlab.train.config import DataConfig, RunConfig
+from qkvlab.run.load import load_model
+from qkvlab.train.config import DataConfig, RunConfig, TrainConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -63,8 +78,31 @@ def read_config(model_dir: Path) -> dict[str, Any]:
         raise QkvlabError(f"{path} is not valid JSON ({exc})") from None
     if not isinstance(config, dict):
         raise QkvlabError(f"{path} is not a JSON object")
-    check_gpt2_config(config)
+    check_config(config)
     return config
+
+
+def check_config(config: dict[str, Any]) -> str:
+    """The transformers class of a config.json qkvlab can reproduce exactly (GPT2LMHeadModel or
+    LlamaForCausalLM), or a one-line error naming the field it cannot."""
+    model_type = config.get("model_type")
+    if model_type == "llama":
+        if "hidden_size" not in config and "n_embd" in config:
+            raise QkvlabError("config.json has model_type='llama' but GPT-2's fields (n_embd, "
+                              "n_layer, n_head) instead of Llama's (hidden_size, ...): fix "
+                              "model_type, or the fields")
+        check_field_types(config, COMMON_FIELD_TYPES)
+        check_llama_config(config)
+        return LLAMA_ARCH
+    if model_type != "gpt2":
+        arch = config.get("architectures")
+        arch = ", ".join(map(str, arch)) if isinstance(arch, list) and arch else \
+            "unknown architecture"
+        raise QkvlabError(
+            f"config.json has model_type={model_type!r} ({arch}): only GPT-2 (model_type gpt2) "
+            "and Llama (model_type llama) models can be imported")
+    check_gpt2_config(config)
+    return GPT2_ARCH
 
 
 def _load(path: Path) -> dict[str, torch.Tensor]:
@@ -189,6 +227,7 @@ class ImportResult:
     notes: list[str]
     tokenizer_note: str
     max_logit_diff: float | None
+    architecture: str = GPT2_ARCH
 
 
 def _data_config(config: dict[str, Any], tok: TokenizerImport, data_dir: str | None,
@@ -212,18 +251,59 @@ def _data_config(config: dict[str, Any], tok: TokenizerImport, data_dir: str | N
         # fixed vocabularies: the embedded corpus prepared with it is a valid eval set
         return DataConfig(dir=str(default_data_dir("shakespeare", tok.spec)),
                           source="shakespeare", tokenizer=tok.spec), None
-    return DataConfig(dir=f"data/{name}", source=name, tokenizer=tok.spec or "unknown",
+    return DataConfig(dir=f"data/{name}", source=name, tokenizer=tok.spec or NO_TOKENIZER,
                       prepare_if_missing=False), None
+
+
+def _llama_notes(model: GPT, tensors: dict[str, torch.Tensor], detect: bool) -> list[str]:
+    notes = []
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in tensors.values()})
+    if dtypes != ["float32"]:
+        notes.append(f"weights stored as {', '.join(dtypes)}: upcast to float32")
+    cfg = model.cfg
+    if cfg.projection != "baseline":
+        r = cfg.scale * math.sqrt(cfg.d_head)
+        proj = "q_proj" if cfg.projection == "q-identity" else "k_proj"
+        notes.append(f"every layer's {proj} is {r:g} I: imported as projection={cfg.projection}")
+    elif detect:
+        notes.append("no layer's q_proj or k_proj is a multiple of I: imported as "
+                     "projection=baseline")
+    return notes
+
+
+def _move_into_place(tmp: Path, dest: Path) -> None:
+    """Rename the finished folder `tmp` to `dest`, replacing an old checkpoint there (put back
+    if the rename fails)."""
+    old = None
+    if dest.exists():
+        old = dest.parent / f".old-import-{dest.name}-{uuid.uuid4().hex[:8]}"
+        os.replace(dest, old)
+    try:
+        os.replace(tmp, dest)
+    except BaseException:
+        if old is not None and not dest.exists():
+            os.replace(old, dest)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
                      detect: bool = True, data_dir: str | None = None,
                      verify: bool = True) -> ImportResult:
-    """Read a GPT-2 transformers folder, write a qkvlab checkpoint folder, verify the logits."""
+    """Read a GPT-2 or Llama transformers folder, write a qkvlab checkpoint folder whose logits
+    were verified against transformers (when installed): a difference beyond float32 rounding
+    is refused and nothing is written."""
     model_dir = Path(model_dir).expanduser()
     config = read_config(model_dir)
+    arch = check_config(config)
     tensors = read_weights(model_dir)
-    model, notes = from_gpt2(config, tensors, detect=detect)
+    if arch == LLAMA_ARCH:
+        model = from_llama(config, tensors, detect=detect)
+        notes = _llama_notes(model, tensors, detect)
+    else:
+        model, notes = from_gpt2(config, tensors, detect=detect)
+    del tensors
     tok = detect_tokenizer(model_dir)
     V = model.cfg.vocab_size
     if tok.vocab_size is not None and tok.vocab_size > V:
@@ -236,17 +316,28 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
                           f"{data_meta.get('vocab_size')} tokens but the model only {V}")
     dest = checkpoint_out_dir(out, Path("runs") / f"hf-{name}", model_dir,
                               "the model folder itself")
-    run_cfg = RunConfig(model=model.cfg, data=data_cfg, name=f"hf-{name}", out_dir=str(dest))
+    # an imported model is evaluated as transformers computes it, in float32 (bf16 autocast
+    # would move its loss in the 4th decimal)
+    run_cfg = RunConfig(model=model.cfg, data=data_cfg, train=TrainConfig(dtype="fp32"),
+                        name=f"hf-{name}", out_dir=str(dest))
     step = (config.get(QKVLAB_KEY) or {}).get("step", 0)  # a qkvlab export keeps its step
-    state = {"step": step if isinstance(step, int) else 0, "kind": "imported",
-             "imported_from": str(model_dir),
+    state = {"step": step if isinstance(step, int) else 0, "kind": IMPORTED_KIND,
+             "imported_from": str(model_dir), "architecture": arch,
              "import_notes": notes}
-    write_checkpoint(dest, model, run_cfg, state=state)
-    if tok.files:
-        tok_dir = dest / TOKENIZER_DIR
-        shutil.rmtree(tok_dir, ignore_errors=True)
-        tok_dir.mkdir()
-        for fname, data in tok.files.items():
-            (tok_dir / fname).write_bytes(data)
-    diff = hf_logit_diff(model, model_dir) if verify and transformers_available() else None
-    return ImportResult(dest, model, notes, tok.note, diff)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".tmp-import-{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    diff = None
+    try:
+        write_checkpoint(tmp, model, run_cfg, state=state)
+        if tok.files:
+            (tmp / TOKENIZER_DIR).mkdir()
+            for fname, data in tok.files.items():
+                (tmp / TOKENIZER_DIR / fname).write_bytes(data)
+        if verify and transformers_available():
+            # compare what was written, read back, not the model in memory
+            written, _ = load_model(tmp)
+            diff = verified_logit_diff(written, model_dir, f"import of {model_dir}")
+        _move_into_place(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ImportResult(dest, model, notes, tok.note, diff, arch)

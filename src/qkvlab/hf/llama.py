@@ -231,15 +231,17 @@ def _identity_ratio(w: torch.Tensor) -> float | None:
     return r
 
 
-def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> GPT:
-    """A qkvlab GPT equal to the LlamaForCausalLM of (config.json, its tensors). A q_proj (or
-    k_proj) equal to r I in every layer imports as W_Q = I (W_K = I) with scale r / sqrt(d_k)."""
+def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
+               detect: bool = True) -> GPT:
+    """A qkvlab GPT equal to the LlamaForCausalLM of (config.json, its tensors). With `detect`,
+    a q_proj (or k_proj) equal to r I in every layer imports as W_Q = I (W_K = I) with scale
+    r / sqrt(d_k); without it every projection is kept as a matrix (projection=baseline)."""
     cfg = check_llama_config(config)
     sd = {k.removeprefix("model."): v for k, v in tensors.items()}
     layer = [f"layers.{i}.self_attn." for i in range(cfg.n_layer)]
     std_scale = 1.0 / math.sqrt(cfg.d_head)
     projection, ratio = "baseline", 1.0
-    for n in ("q", "k"):
+    for n in ("q", "k") if detect else ():
         ratios = [_identity_ratio(_need(sd, p + f"{n}_proj.weight")) for p in layer]
         if cfg.bias or None in ratios or len(set(ratios)) != 1:
             continue
@@ -251,8 +253,30 @@ def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> GPT:
     cfg.attn_scale = std_scale * ratio
     cfg.validate()
     model = GPT(cfg)
-    model.load_state_dict(_qkvlab_state(cfg, sd, projection, ratio), strict=True)
+    state = _qkvlab_state(cfg, sd, projection, ratio)
+    _check_state(model, state)
+    model.load_state_dict(state, strict=True)
     return model.float().eval()
+
+
+def _check_state(model: GPT, state: dict[str, torch.Tensor]) -> None:
+    """Refuse (one line) tensors whose shapes do not follow config.json, or that are not
+    finite, before load_state_dict would raise a traceback about them."""
+    expected = model.state_dict()
+    V = model.cfg.vocab_size
+    for key, want in expected.items():
+        got = state.get(key)
+        if got is None or tuple(got.shape) == tuple(want.shape):
+            continue
+        if key in ("wte.weight", "lm_head.weight") and got.dim() == 2:
+            hf_key = "model.embed_tokens.weight" if key == "wte.weight" else key
+            raise QkvlabError(f"mismatched vocabularies: config.json says vocab_size={V} but "
+                              f"{hf_key} has {got.shape[0]} rows")
+        raise QkvlabError(f"the weights do not match config.json: qkvlab's {key} would be "
+                          f"{list(want.shape)} but the tensors give {list(got.shape)}")
+    bad = [k for k, v in state.items() if not bool(torch.isfinite(v).all())]
+    if bad:
+        raise QkvlabError(f"non-finite weights in {bad[0]}: nothing to import")
 
 
 def _need(sd: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -5,6 +5,7 @@ the healed model as a regular checkpoint."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,10 +21,43 @@ from qkvlab.retrofit.init import INITS, InitInfo, attention_moments, build_stude
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.device import evaluate, resolve_device
 from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
+from qkvlab.train.config import DataConfig
 
 TARGETS = ("q-identity",)
-MAX_DEFAULT_WINDOWS = 128
+MAX_DEFAULT_WINDOWS = 128  # `qkvlab retrofit --help` states this number
+# What `qkvlab import-hf` records: state.json's kind, and data.tokenizer when the model folder
+# had no tokenizer qkvlab can use (so its data.dir names no prepared data either).
+IMPORTED_KIND = "imported"
+NO_TOKENIZER = "unknown"
 CALIB_STEP_OFFSET = 1_000_000  # calibration batches: steps the healing run never reaches
+
+
+def data_config(ckpt: Any, data_dir: str | Path | None) -> DataConfig:
+    """The data to evaluate (or heal) a checkpoint on: its run's, or the prepared folder
+    `data_dir`. An imported checkpoint without a tokenizer takes `data_dir`'s tokenizer (it has
+    none to compare it with); one without prepared data is told how to name some."""
+    dc = ckpt.config.data
+    imported = ckpt.state.get("kind") == IMPORTED_KIND
+    if data_dir:
+        if dc.tokenizer != NO_TOKENIZER:
+            return dataclasses.replace(dc, dir=str(data_dir))
+        try:
+            meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
+            tokenizer = str(meta["tokenizer"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no readable "
+                              "meta.json): make one with `qkvlab prepare`") from None
+        return DataConfig(dir=str(data_dir), source=str(meta.get("source") or "unknown"),
+                          tokenizer=tokenizer, prepare_if_missing=False)
+    if imported and not (Path(dc.dir) / "meta.json").is_file():
+        why = ("the import found no tokenizer qkvlab can use, so " if dc.tokenizer ==
+               NO_TOKENIZER else "")
+        raise QkvlabError(
+            f"{ckpt.path} is an imported model and {why}there is no prepared data at {dc.dir}: "
+            "pass --data DIR, a folder made by `qkvlab prepare TEXT --tokenizer SPEC --out DIR` "
+            "with the tokenizer the model was trained with (its vocabulary must fit the "
+            f"model's {ckpt.config.model.vocab_size} tokens)")
+    return dc
 
 
 @dataclass
@@ -111,7 +145,7 @@ def retrofit_checkpoint(
                               "the source checkpoint") if write else None
     cfg = ckpt.config
     hc = heal_config or HealConfig(batch_size=cfg.train.batch_size, lr=3 * cfg.optim.min_lr)
-    data_cfg = cfg.data if not data_dir else dataclasses.replace(cfg.data, dir=str(data_dir))
+    data_cfg = data_config(ckpt, data_dir)
     data = open_data(data_cfg, log or (lambda _m: None))
     check_vocab(cfg, data)
     block = cfg.model.block_size
@@ -150,13 +184,16 @@ def retrofit_checkpoint(
         heal_result=result, other_inits=other, params_before=count_params(cfg.model).total,
         params_after=count_params(student.cfg).total, windows=n, block_size=block)
     if dest is not None:
-        write_retrofit(dest, student, ckpt, report)
+        write_retrofit(dest, student, ckpt, report, data_cfg)
     return report
 
 
-def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport) -> Path:
-    """Save the healed model as a regular checkpoint (with the report in state.json)."""
-    new_cfg = dataclasses.replace(ckpt.config, model=student.cfg)
+def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport,
+                   data_cfg: DataConfig | None = None) -> Path:
+    """Save the healed model as a regular checkpoint (with the report in state.json); its
+    config names the data it was healed on (`data_cfg`, default the source's)."""
+    new_cfg = dataclasses.replace(ckpt.config, model=student.cfg,
+                                  data=data_cfg or ckpt.config.data)
     state = {"step": ckpt.step, "kind": "retrofit", "val_loss": report.after_heal,
              "retrofit": report.as_dict()}
     write_checkpoint(dest, student, new_cfg, state=state)

@@ -18,6 +18,11 @@ Three starting points, all with the same parameters as a q-identity model of the
            (the key-side weight G = E[k^T k] factors out of the normal equations). Where the
            query depended on coordinates outside slice h, that part is lost; the fraction kept
            is reported as the explained query variance.
+           Under RoPE the query and key are rotated after their projections, so the fold is
+           exact only for an A_h that commutes with every rotation: a scaled 2-D rotation
+           [[a, b], [-b, a]] in each rotated channel pair (i, i + d_k/2). A_h is fitted in
+           that family (on the pre-rotation query and slice); a general A_h would fit the
+           query better but change the logits between positions once folded into the keys.
 """
 
 from __future__ import annotations
@@ -125,6 +130,31 @@ def _without_query(model: GPT) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _rope_basis(dk: int) -> torch.Tensor:
+    """(dk, dk, dk): a basis of the d_k x d_k maps that commute with RoPE's rotations, which
+    turn channel pairs (i, i + d_k/2) by distinct frequencies: per pair, I and the quarter turn
+    J restricted to the pair's plane."""
+    half = dk // 2
+    basis = torch.zeros(dk, dk, dk, dtype=F64)
+    for j in range(half):
+        basis[2 * j, j, j] = basis[2 * j, j + half, j + half] = 1.0
+        basis[2 * j + 1, j, j + half], basis[2 * j + 1, j + half, j] = 1.0, -1.0
+    return basis
+
+
+def _least_squares_map(s_hh: torch.Tensor, cross: torch.Tensor, lam: float,
+                       basis: torch.Tensor | None) -> torch.Tensor:
+    """argmin_A E|t - u_h A|^2 + lam |A|^2 (normal equations in the moments), A general or in
+    the span of `basis` (m, dk, dk)."""
+    dk = s_hh.shape[0]
+    if basis is None:
+        return torch.linalg.solve(s_hh + lam * torch.eye(dk, dtype=F64), cross)
+    gram = torch.einsum("mij,ik,nkj->mn", basis, s_hh, basis) \
+        + lam * torch.einsum("mij,nij->mn", basis, basis)
+    coef = torch.linalg.solve(gram, torch.einsum("mij,ij->m", basis, cross))
+    return torch.einsum("m,mij->ij", coef, basis)
+
+
 def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
                ratio: float, ridge: float) -> list[float]:
     """Fold each head's least-squares query map A_h into its keys, in place; returns the
@@ -132,6 +162,7 @@ def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
     cfg = model.cfg
     H, dk = cfg.n_head, cfg.d_head
     src = model.state_dict()
+    basis = _rope_basis(dk) if cfg.positions == "rope" else None
     r2_blocks = []
     for i, mom in enumerate(moments):
         w = src[f"blocks.{i}.attn.in_proj.weight"].detach().to("cpu", F64)  # (3d, d)
@@ -148,7 +179,7 @@ def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
             # E[u_h^T t] for the target t = u W_Q^(h) + b_Q^(h)
             cross = S[sl] @ wq + torch.outer(m[sl], bq)
             lam = ridge * float(torch.diagonal(s_hh).mean().clamp_min(1e-30))
-            A = torch.linalg.solve(s_hh + lam * torch.eye(dk, dtype=F64), cross)  # (dk, dk)
+            A = _least_squares_map(s_hh, cross, lam, basis)  # (dk, dk)
             # explained variance of the query (second moments, no intercept: as the logits see)
             tt = wq.T @ S @ wq + wq.T @ torch.outer(m, bq) + torch.outer(bq, m) @ wq \
                 + torch.outer(bq, bq)
@@ -193,8 +224,10 @@ def build_student(model: GPT, init: str = "regress", moments: list[Moments] | No
             raise QkvlabError("--init regress needs attention moments for every block")
         ratio = model.cfg.scale / cfg.scale  # s / s': the halved scale moves into the keys
         r2 = _fit_heads(model, moments, sd, ratio, ridge)
-        info = InitInfo(init, f"per-head least-squares query on its own slice folded into W_K "
-                              f"({moments[0].count:,} calibration tokens)", r2)
+        rope = (", each map commuting with RoPE's rotations" if model.cfg.positions == "rope"
+                else "")
+        info = InitInfo(init, f"per-head least-squares query on its own slice folded into W_K"
+                              f"{rope} ({moments[0].count:,} calibration tokens)", r2)
     student = GPT(cfg).to(dtype=ref.dtype)
     student.load_state_dict({k: v.to(ref.dtype) for k, v in sd.items()}, strict=True)
     return student.to(ref.device).train(model.training), info

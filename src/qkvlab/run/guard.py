@@ -1,6 +1,6 @@
 """Guards for long runs: resource sanity checks, storage errors, and crash-test hooks.
 
-Three small concerns that the trainer, the checkpoint writer and the commands share:
+Four small concerns that the trainer, the checkpoint writer and the commands share:
 
 * `check_bytes` / `train_memory_check` / `model_memory_check` refuse absurd configs (a
   4-trillion-parameter model, a batch of a billion windows) with a one-line `QkvlabError`
@@ -9,6 +9,8 @@ Three small concerns that the trainer, the checkpoint writer and the commands sh
   never refuse a run that could have fitted.
 * `storage_error` turns the OSErrors of a full or read-only disk into a one-line `QkvlabError`
   that says what was being written and which checkpoint is still good.
+* `weights_finite` tells whether a model's weights may be saved as a checkpoint: one with a
+  NaN or inf could be neither resumed nor evaluated.
 * `slow_ckpt_pause` is a *test hook*: with QKVLAB_TEST_SLOW_CKPT=SECONDS in the environment, the
   checkpoint writer sleeps that long between its files, so a test can SIGKILL a real training
   process in the middle of a checkpoint write deterministically. Unset (the default) it costs
@@ -89,6 +91,43 @@ def storage_message(doing: str, exc: BaseException, last_good: os.PathLike | str
     fix = "free some space" if os_errno(exc) in (errno.ENOSPC, errno.EDQUOT) else "fix the disk"
     resume = f", then resume with `qkvlab train {run_dir} --resume`" if run_dir else ""
     return f"{doing} failed: {describe_os_error(exc)}; {where}: {fix}{resume}"
+
+
+# ---- non-finite weights -------------------------------------------------------------------
+def weights_finite(model: torch.nn.Module) -> bool:
+    """True when every floating-point parameter and buffer this process holds is finite.
+
+    Under FSDP each process checks its own shards (`to_local`); one device sync in all.
+    """
+    flags = []
+    for t in (*model.parameters(), *model.buffers()):
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.is_floating_point() and local.numel():
+            flags.append(torch.isfinite(local.detach()).all())
+    return bool(torch.stack(flags).all()) if flags else True
+
+
+def divergence_message(run_dir: os.PathLike | str, streak: int, step: int,
+                       last_good: os.PathLike | str | None, lr: float, min_lr: float,
+                       dtype: str) -> str:
+    """One line for a run stopped after `streak` non-finite steps, the last logged as `step`.
+
+    A resume replays the same steps from the same checkpoint (and refuses a changed
+    optim.lr), so the advice is a fresh run with the exact command; fp32 is suggested only
+    to a run that is not in fp32 already.
+    """
+    where = (f"the last good checkpoint is {last_good}" if last_good is not None
+             else "no checkpoint with good weights was kept")
+    new_lr = float(f"{lr / 10:.3g}")
+    sets = f"--set optim.lr={new_lr:g}"
+    if min_lr > 0:
+        sets += f" --set optim.min_lr={min(float(f'{min_lr / 10:.3g}'), new_lr):g}"
+    fix = (f"lower optim.lr in a fresh run: `qkvlab train {run_dir} {sets} --out "
+           f"{run_dir}-lr{new_lr:g}` (a resume would repeat the divergence)")
+    if dtype != "fp32":
+        fix += ", or add `--set train.dtype=fp32` to it"
+    return (f"training diverged: non-finite loss or gradient for {streak} consecutive steps "
+            f"(the last at step {step}); {where}: {fix}")
 
 
 # ---- memory sanity ------------------------------------------------------------------------

@@ -92,6 +92,11 @@ def run_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     folder = find_tokenizer_dir(ckpt)
     if folder is not None:
         return load_tokenizer(folder)
+    if ckpt.config.data.tokenizer == "unknown":  # what import-hf records when it found none
+        raise QkvlabError(
+            f"{ckpt.path} has no tokenizer (it was imported without one): put the model's "
+            "tokenizer files (tokenizer.json, or vocab.json and merges.txt) into the "
+            "transformers folder and run `qkvlab import-hf` on it again")
     raise QkvlabError(
         f"cannot find the tokenizer of {ckpt.path} (no {TOKENIZER_DIR}/ in its run and no data "
         f"at {ckpt.config.data.dir}): run `{ckpt.config.data.prepare_hint()}`"

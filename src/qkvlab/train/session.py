@@ -27,7 +27,7 @@ from qkvlab.run.checkpoint import Checkpoint, load_model_state
 from qkvlab.run.device import check_dtype
 from qkvlab.run.layout import CONFIG_FILE, METRICS_FILE, list_checkpoints
 from qkvlab.run.load import check_vocab, copy_tokenizer, open_data
-from qkvlab.run.metrics import MetricsLog, NullLog
+from qkvlab.run.metrics import MetricsLog, NullLog, check_metrics
 from qkvlab.train import distributed, objectives
 from qkvlab.train.config import RunConfig, config_diff, save_config
 from qkvlab.train.optim import build_optimizer
@@ -41,8 +41,13 @@ class TrainState:
     step: int = 0
     best_val_loss: float = math.inf
     last_val_loss: float | None = None
+    last_val_step: int | None = None  # the step whose weights last_val_loss measured
     last_ckpt: Path | None = None
-    last_good: Path | None = None  # the newest checkpoint saved outside a non-finite streak
+    # The newest checkpoint known to hold weights that work: an eval of them gave a finite
+    # val loss, or the step after them a finite training loss. `pending` is one saved since
+    # the last update whose weights are not yet judged (a finite step promotes it).
+    last_good: Path | None = None
+    pending: Path | None = None
     nonfinite: int = 0
     skipped: int = 0  # non-finite steps skipped over the whole run
     session_tokens: int = 0
@@ -92,6 +97,18 @@ class Session:
 def resume_point(cfg: RunConfig, run_dir: Path, resume: bool,
                  ctx: distributed.DistContext) -> Checkpoint | None:
     """The checkpoint to resume from (None: a fresh run), refusing a mismatched one."""
+    if resume:
+        # a damaged metrics.jsonl would only be found when the log is reopened, after
+        # config.toml was rewritten: refuse it now, before anything in the folder changes
+        problem = None
+        if ctx.is_main:
+            try:
+                check_metrics(run_dir)
+            except QkvlabError as exc:
+                problem = str(exc)
+        problem = ctx.broadcast(problem)
+        if problem:
+            raise QkvlabError(problem)
     if ctx.is_main:
         store.clean_temp(run_dir)
     ctx.barrier()  # the other ranks look for checkpoints once the leftovers are gone
@@ -160,12 +177,30 @@ def restore(ckpt: Checkpoint | None, resume: bool, cfg: RunConfig, run_dir: Path
         st.step = ckpt.step
         st.best_val_loss = ckpt.state.get("best_val_loss") or math.inf
         st.last_val_loss = ckpt.state.get("val_loss")
-        st.last_ckpt = st.last_good = ckpt.path
+        st.last_val_step = _int_or_none(ckpt.state.get("val_loss_step"))
+        st.last_ckpt = ckpt.path
+        st.last_good = _checkpoint_named(run_dir, ckpt.state.get("last_good"))
+        if st.last_val_step == ckpt.step:  # an eval judged exactly these weights
+            if st.last_val_loss is not None and math.isfinite(st.last_val_loss):
+                st.last_good = ckpt.path
+        else:
+            st.pending = ckpt.path
         st.skipped = ckpt.state.get("skipped_steps", 0)
         say(f"resuming {run_dir} from {ckpt.path.name} (step {st.step})")
     elif resume:
         say(f"no checkpoint in {run_dir}: starting fresh")
     return st
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _checkpoint_named(run_dir: Path, name: Any) -> Path | None:
+    """The checkpoint folder a state.json names (None unless it is a ckpt-* of this run)."""
+    if not isinstance(name, str) or not name.startswith("ckpt-") or "/" in name:
+        return None
+    return run_dir / name if (run_dir / name).is_dir() else None
 
 
 def setup(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,

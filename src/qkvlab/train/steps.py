@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.perf import mfu
-from qkvlab.run import store
+from qkvlab.run import guard, store
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.device import autocast, perplexity
 from qkvlab.run.layout import BEST_DIR
@@ -115,7 +116,7 @@ def run_eval(s: Session, step: int, rec: dict[str, Any]) -> None:
     """Evaluate after `step`: into `rec`, the display, TensorBoard and best/."""
     val = val_loss(s, rec)
     rec["val_loss"], rec["val_ppl"] = val, perplexity(val)
-    s.st.last_val_loss = val
+    s.st.last_val_loss, s.st.last_val_step = val, step
     ppl = perplexity(val)
     s.reporter.line(f"step {step} | val loss {val:.4f} | val ppl "
                     f"{ppl if ppl is not None else math.nan:.2f}")
@@ -127,7 +128,8 @@ def run_eval(s: Session, step: int, rec: dict[str, Any]) -> None:
 def keep_best(s: Session, step: int, val: float) -> None:
     """Write best/ when `val` beats every earlier eval; step 0's eval only sets the bar."""
     st = s.st
-    if step > 0 and val < st.best_val_loss:
+    # a finite val loss can still come with a NaN in an embedding row no window uses
+    if step > 0 and val < st.best_val_loss and not s.ctx.any(not guard.weights_finite(s.model)):
         st.best_val_loss = val
         s.par.save(lambda m, _o, extra: write_checkpoint(
             s.run_dir / BEST_DIR, m, s.cfg,
@@ -141,35 +143,70 @@ def ckpt_state(s: Session, step: int) -> dict[str, Any]:
     tc, st = s.cfg.train, s.st
     return {"step": step, "tokens": step * s.cfg.tokens_per_step,
             "best_val_loss": st.best_val_loss, "val_loss": st.last_val_loss,
+            "val_loss_step": st.last_val_step,
+            # a resume names this one when its own weights turn out bad
+            "last_good": st.last_good.name if st.last_good is not None else None,
             "world_size": s.ctx.world_size, "parallel": s.par.mode,
             # batches are a pure function of these: a resume continues the same stream
             "data_stream": {"seed": tc.seed, "next_step": step, **s.plan.as_dict()},
             "skipped_steps": st.skipped}
 
 
-def save(s: Session, step: int) -> None:
-    """A regular checkpoint after `step` (every process takes part: FSDP gathers shards)."""
+def save(s: Session, step: int) -> bool:
+    """A regular checkpoint after `step` (every process takes part: FSDP gathers shards).
+
+    Weights with a NaN or inf are not saved (False): such a checkpoint could be neither
+    resumed nor evaluated, and keep_last would rotate a good one out for it. A saved one is
+    good at once when an eval of these weights gave a finite val loss, pending (judged by the
+    next finite step, see `judge_step`) when no eval measured them, and never good inside a
+    non-finite streak, since these very weights keep failing.
+    """
     tc, st = s.cfg.train, s.st
+    if s.ctx.any(not guard.weights_finite(s.model)):
+        s.reporter.line(f"step {step}: the weights are not finite; no checkpoint written")
+        return False
     st.last_ckpt = s.par.save(lambda m, o, extra: store.save_checkpoint(
         s.run_dir, step, m, o, s.cfg, {**ckpt_state(s, step), **extra}, tc.keep_last),
         s.optimizer)
+    st.pending = None
     if st.nonfinite == 0:
-        st.last_good = st.last_ckpt
+        if st.last_val_step != step:
+            st.pending = st.last_ckpt
+        elif st.last_val_loss is not None and math.isfinite(st.last_val_loss):
+            st.last_good = st.last_ckpt
+    return True
+
+
+def judge_step(st: TrainState, rec: dict[str, Any]) -> None:
+    """A finite step proves the weights it started from: promote the pending checkpoint."""
+    if rec["loss"] is not None and st.pending is not None:
+        st.last_good, st.pending = st.pending, None
+
+
+def good_checkpoint(st: TrainState) -> Path | None:
+    """The last good checkpoint, unless keep_last (or a user) has removed it since."""
+    return st.last_good if st.last_good is not None and st.last_good.is_dir() else None
 
 
 # ---- after each step ----------------------------------------------------------------------
 def check_divergence(s: Session, rec: dict[str, Any], done: int) -> None:
-    """Stop with a QkvlabError after max_nonfinite non-finite steps in a row."""
-    st = s.st
-    if rec["loss"] is None and st.nonfinite >= s.cfg.train.max_nonfinite:
-        where = (f"the last good checkpoint is {st.last_good}" if st.last_good
-                 else "no good checkpoint was saved")
-        # `done` is the step number metrics.jsonl and ckpt-* folders use
-        raise QkvlabError(
-            f"training diverged: non-finite loss or gradient for {st.nonfinite} consecutive "
-            f"steps (the last at step {done}); {where}: lower optim.lr, raise "
-            "optim.warmup_steps or use train.dtype=fp32"
-        )
+    """Stop with a QkvlabError after max_nonfinite non-finite steps in a row.
+
+    Called after `log_step`, so step `done` (numbered as in metrics.jsonl and ckpt-*) is
+    already logged, its loss as null.
+    """
+    st, cfg = s.st, s.cfg
+    if rec["loss"] is None and st.nonfinite >= cfg.train.max_nonfinite:
+        if st.pending is not None:
+            # skipped steps leave the weights alone, so the model still holds the pending
+            # checkpoint's weights: one eval tells whether they or the batches were at fault
+            val = val_loss(s, {})
+            if math.isfinite(val):
+                st.last_good = st.pending
+            st.pending = None
+        raise QkvlabError(guard.divergence_message(
+            s.run_dir, st.nonfinite, done, good_checkpoint(st), cfg.optim.lr, cfg.optim.min_lr,
+            cfg.train.dtype))
 
 
 def log_step(s: Session, done: int, rec: dict[str, Any]) -> None:
@@ -204,6 +241,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
         "tokens": st.step * s.cfg.tokens_per_step,
         "final_val_loss": st.last_val_loss,
         "final_val_ppl": perplexity(st.last_val_loss),
+        "final_val_step": st.last_val_step,  # the step whose weights final_val_loss measured
         "best_val_loss": st.best_val_loss if math.isfinite(st.best_val_loss) else None,
         "tokens_per_s": tps,
         "mfu": mfu(s.fpt, tps, s.peak),

@@ -28,6 +28,7 @@ from qkvlab.train.progress import StopFlag
 from qkvlab.train.session import Session, close_outputs, open_outputs, setup
 from qkvlab.train.steps import (
     check_divergence,
+    judge_step,
     log_step,
     run_eval,
     save,
@@ -88,12 +89,14 @@ def loop(s: Session) -> int | None:
                              st, s.par)
             done = step + 1
             st.step = done
+            judge_step(st, rec)
+            log_step(s, done, rec)  # before the divergence check: the step it names is logged
             check_divergence(s, rec, done)
-            log_step(s, done, rec)
             # all processes stop at the same step, even if the signal reached only some
             if s.ctx.any(stop.signum is not None):
-                save(s, done)
-                s.reporter.line(f"stopped by signal {stop.signum} at step {done}; checkpoint "
+                kept = "checkpoint" if save(s, done) else \
+                    "its weights are not finite, so none was written; the newest checkpoint is"
+                s.reporter.line(f"stopped by signal {stop.signum} at step {done}; {kept} "
                                 f"{st.last_ckpt}")
                 # the signal every process saw (SIGINT when only some saw one)
                 return stop.signum or signal.SIGINT
@@ -102,5 +105,5 @@ def loop(s: Session) -> int | None:
             if (done % tc.ckpt_interval == 0 or done == tc.max_steps) and st.nonfinite == 0:
                 save(s, done)
         if s.start_step >= tc.max_steps and s.ckpt is not None:
-            st.last_val_loss = val_loss(s, {})
+            st.last_val_loss, st.last_val_step = val_loss(s, {}), st.step
     return None
