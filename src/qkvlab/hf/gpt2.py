@@ -276,8 +276,8 @@ def check_gpt2_config(config: dict[str, Any]) -> None:
         arch = ", ".join(map(str, arch)) if isinstance(arch, list) and arch else \
             "unknown architecture"
         raise QkvlabError(
-            f"config.json has model_type={model_type!r} ({arch}): only GPT-2-architecture "
-            "models (model_type gpt2) can be imported")
+            f"config.json has model_type={model_type!r} ({arch}): only GPT-2 (model_type gpt2) "
+            "and Llama (model_type llama) models can be imported")
     check_field_types(config, {**COMMON_FIELD_TYPES, **GPT2_FIELD_TYPES})
     if config.get("add_cross_attention"):
         raise QkvlabError("config.json: add_cross_attention=true (an encoder-decoder GPT-2): "
