@@ -35,6 +35,9 @@ run paper-cuda --shape paper --schemes baseline,q-identity --batch-size 16 --rep
 # Inference at the paper shape: prefill / decode with the cache at 128, 512, 1024.
 run paper-cuda-infer --shape paper --schemes baseline,q-identity --batch-size 16 --repeats 1 \
     --steps 1 --gen-tokens 256
+# The paper's size Llama-style (RMSNorm, SwiGLU, RoPE): does W_Q = I save as much there?
+run paper-llama-cuda --shape paper-llama --schemes baseline,q-identity --batch-size 16 \
+    --repeats 6 --steps 10 --no-inference
 # The baby shape, all four schemes (small matmuls: launch overhead shows).
 run baby-cuda --shape baby --schemes baseline,q-identity,q-identity-wide,nonlinear-q \
     --repeats 5 --steps 20 --gen-tokens 0
