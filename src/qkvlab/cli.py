@@ -11,6 +11,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
+from qkvlab import __version__
 from qkvlab.commands import (
     archive,
     bench,
@@ -60,8 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="qkvlab",
         description="Attention without a redundant W_Q: models, training, theory, experiments.",
     )
-    from qkvlab import __version__
-
     parser.add_argument("--version", action="version", version=f"qkvlab {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMAND_MODULES:

@@ -85,7 +85,7 @@ class EvalOptions:
 def eval_dtype(opts: EvalOptions, ckpt: Checkpoint) -> str:
     """--dtype, else fp32 for an imported model (it is compared with transformers' float32
     logits; bf16 autocast moves its loss in the 4th decimal), else the run's train.dtype."""
-    from qkvlab.retrofit.checkpoint import IMPORTED_KIND
+    from qkvlab.run.load import IMPORTED_KIND
 
     if opts.dtype:
         return opts.dtype
@@ -96,10 +96,9 @@ def run_eval(opts: EvalOptions) -> int:
     """Print the validation loss and perplexity of a checkpoint on fixed val windows."""
     if opts.lm_eval:  # lm-evaluation-harness instead (qkvlab.hf.harness)
         return _run_lm_eval(opts)
-    from qkvlab.retrofit.checkpoint import data_config
     from qkvlab.run import guard
     from qkvlab.run.device import evaluate, perplexity
-    from qkvlab.run.load import check_vocab, open_data
+    from qkvlab.run.load import check_vocab, data_config, open_data
 
     model, ckpt, device = _load(opts.path)
     cfg = ckpt.config

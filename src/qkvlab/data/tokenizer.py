@@ -14,6 +14,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import tiktoken
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
 from qkvlab.data.cache import RemoteFile, fetch_file
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import write_bytes_atomic
@@ -208,7 +212,6 @@ def gpt2_mergeable_ranks(encoder_json: bytes, vocab_bpe: bytes) -> dict[bytes, i
 
 @functools.cache
 def _gpt2_encoding() -> Any:
-    import tiktoken
 
     ranks = gpt2_mergeable_ranks(
         fetch_file(GPT2_ENCODER).read_bytes(), fetch_file(GPT2_VOCAB_BPE).read_bytes()
@@ -260,8 +263,6 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def train(cls, texts: Iterable[str], size: int) -> BPETokenizer:
         """Train a byte-level BPE with at most `size` tokens (fewer if the corpus runs out)."""
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import decoders, models, pre_tokenizers, trainers
 
         tok = HFTokenizer(models.BPE())
         # No prefix space: encode/decode must round-trip text exactly.
@@ -294,7 +295,6 @@ class BPETokenizer(Tokenizer):
     @classmethod
     def load(cls, data_dir: Path, name: str) -> BPETokenizer:
         """Read tokenizer.json saved by `save`."""
-        from tokenizers import Tokenizer as HFTokenizer
 
         path = Path(data_dir) / BPE_FILE
         try:

@@ -11,6 +11,7 @@ from qkvlab.experiments.stats import summarize
 
 
 def _pyplot():
+    # matplotlib takes ~0.7 s to import (measured): only a report that plots pays for it
     import matplotlib
 
     matplotlib.use("Agg")

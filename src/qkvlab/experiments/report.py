@@ -47,6 +47,7 @@ from qkvlab.experiments.results import (
 from qkvlab.experiments.runs import find_seeds, per_window_losses, read_run
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
+from qkvlab.fsutil import write_text_atomic
 from qkvlab.run.records import read_json_record
 
 
@@ -135,8 +136,6 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     if gaps:
         plot_width(gaps, rep.baseline.group.family, out / "gap_vs_width.png")
         plots["width"] = "gap_vs_width.png"
-    from qkvlab.fsutil import write_text_atomic
-
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
     path = out / "report.md"
     write_text_atomic(path, render_markdown(rep, command, plots))

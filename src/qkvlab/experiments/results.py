@@ -19,6 +19,7 @@ from qkvlab.experiments.stats import (
     relative,
     summarize,
 )
+from qkvlab.model.params import count_params
 
 CONFIDENCE = 0.95
 
@@ -90,8 +91,6 @@ class Report:
 
 def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupResult:
     """A group's parameter counts and its summaries over the seeds that finished."""
-    from qkvlab.model.params import count_params
-
     done = [r for r in runs if r.status == "done"]
     counts = count_params(group.config.model)
     cfg = group.config

@@ -13,12 +13,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.spec import Group
 from qkvlab.experiments.stats import median_tokens_per_s
-from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, REUSED_FILE, SUMMARY_FILE
+from qkvlab.fsutil import write_text_atomic
+from qkvlab.run.device import resolve_device
+from qkvlab.run.layout import (
+    CONFIG_FILE,
+    FAILED_FILE,
+    REUSED_FILE,
+    SUMMARY_FILE,
+    list_checkpoints,
+)
+from qkvlab.run.load import load_model, open_data
 from qkvlab.run.metrics import read_metrics
 from qkvlab.run.records import is_finished, read_json_record
+from qkvlab.run.store import read_checkpoint
+from qkvlab.train import objectives
+from qkvlab.train.config import load_config
 
 WINDOW_FILE = "window_losses.json"
 
@@ -94,8 +108,6 @@ def _tokens_per_step(run_dir: Path, group: Group) -> int:
 
 def run_config(run_dir: Path, group: Group):
     """The config the run was trained with (config.toml), else the spec's."""
-    from qkvlab.train.config import load_config
-
     path = run_dir / CONFIG_FILE
     if path.is_file():
         try:
@@ -117,14 +129,6 @@ def find_seeds(group_dir: Path) -> list[int]:
 
 def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     """The final checkpoint's loss on each fixed validation window (cached in the run folder)."""
-    import torch
-
-    from qkvlab.run.device import resolve_device
-    from qkvlab.run.layout import list_checkpoints
-    from qkvlab.run.load import load_model, open_data
-    from qkvlab.run.store import read_checkpoint
-    from qkvlab.train import objectives
-
     cfg = run_config(run.run_dir, group)
     if run.status != "done":
         return None
@@ -151,8 +155,6 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     with torch.inference_mode():
         losses = objectives.window_losses(model, x, y, cfg.train.eval_batch_size
                                           or cfg.train.batch_size, device, cfg.train.dtype)
-    from qkvlab.fsutil import write_text_atomic
-
     write_text_atomic(run.run_dir / WINDOW_FILE, json.dumps(
         {"step": ckpt.step, **key, "losses": losses}) + "\n")
     return losses

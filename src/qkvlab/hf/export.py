@@ -171,6 +171,7 @@ def transformers_available() -> bool:
 
 def load_hf_model(model_dir: Path) -> torch.nn.Module:
     """transformers' AutoModelForCausalLM of `model_dir` in float32 eval mode, quietly."""
+    # transformers is the optional `hf` extra (and takes seconds to import)
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 

@@ -12,7 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from qkvlab.errors import QkvlabError
+from qkvlab.hf.export import export_checkpoint, transformers_available
 from qkvlab.run.layout import is_checkpoint_dir
 
 INSTALL_HINT = ("`pip install lm-eval`; its task data is downloaded from the Hugging Face hub "
@@ -70,12 +73,8 @@ def evaluate_tasks(path: Path, tasks: list[str], *, limit: int | None = None,
         import lm_eval  # noqa: F401
     except ImportError:
         raise QkvlabError(f"lm-eval is not installed: {INSTALL_HINT}") from None
-    from qkvlab.hf.export import export_checkpoint, transformers_available
-
     if not transformers_available():
         raise QkvlabError("lm-eval's hf backend needs transformers: pip install 'qkvlab[hf]'")
-    import torch
-
     device = "cuda" if torch.cuda.is_available() else "cpu"
     with tempfile.TemporaryDirectory(prefix="qkvlab-lm-eval-") as tmp:
         if _is_hf_dir(path):

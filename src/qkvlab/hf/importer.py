@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+from tokenizers import Tokenizer as HFTokenizer
 
 from qkvlab.data.cache import cache_dir
 from qkvlab.data.prepare import default_data_dir
@@ -45,10 +46,9 @@ from qkvlab.hf.gpt2 import (
 )
 from qkvlab.hf.llama import LLAMA_ARCH, check_llama_config, from_llama
 from qkvlab.model.gpt import GPT
-from qkvlab.retrofit.checkpoint import IMPORTED_KIND, NO_TOKENIZER
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.layout import TOKENIZER_DIR
-from qkvlab.run.load import load_model
+from qkvlab.run.load import IMPORTED_KIND, NO_TOKENIZER, load_model
 from qkvlab.train.config import DataConfig, RunConfig, TrainConfig
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -193,8 +193,6 @@ def detect_tokenizer(model_dir: Path) -> TokenizerImport:
     tok_json = model_dir / "tokenizer.json"
     if tok_json.is_file():
         try:
-            from tokenizers import Tokenizer as HFTokenizer
-
             size = HFTokenizer.from_file(str(tok_json)).get_vocab_size()
         except Exception as exc:  # tokenizers raises plain Exception on bad files
             raise QkvlabError(f"{tok_json} is not a readable tokenizer.json ({exc})") from None

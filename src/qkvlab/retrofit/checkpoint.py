@@ -5,7 +5,6 @@ the healed model as a regular checkpoint."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,44 +19,14 @@ from qkvlab.retrofit.heal import HealConfig, HealResult, heal
 from qkvlab.retrofit.init import INITS, InitInfo, attention_moments, build_student, check_source
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.device import evaluate, resolve_device
-from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
+from qkvlab.run.load import carry_tokenizer, check_vocab, data_config, load_model, open_data
 from qkvlab.train.config import DataConfig
 
 TARGETS = ("q-identity",)
 MAX_DEFAULT_WINDOWS = 128  # `qkvlab retrofit --help` states this number
 # What `qkvlab import-hf` records: state.json's kind, and data.tokenizer when the model folder
 # had no tokenizer qkvlab can use (so its data.dir names no prepared data either).
-IMPORTED_KIND = "imported"
-NO_TOKENIZER = "unknown"
 CALIB_STEP_OFFSET = 1_000_000  # calibration batches: steps the healing run never reaches
-
-
-def data_config(ckpt: Any, data_dir: str | Path | None) -> DataConfig:
-    """The data to evaluate (or heal) a checkpoint on: its run's, or the prepared folder
-    `data_dir`. An imported checkpoint without a tokenizer takes `data_dir`'s tokenizer (it has
-    none to compare it with); one without prepared data is told how to name some."""
-    dc = ckpt.config.data
-    imported = ckpt.state.get("kind") == IMPORTED_KIND
-    if data_dir:
-        if dc.tokenizer != NO_TOKENIZER:
-            return dataclasses.replace(dc, dir=str(data_dir))
-        try:
-            meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
-            tokenizer = str(meta["tokenizer"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no readable "
-                              "meta.json): make one with `qkvlab prepare`") from None
-        return DataConfig(dir=str(data_dir), source=str(meta.get("source") or "unknown"),
-                          tokenizer=tokenizer, prepare_if_missing=False)
-    if imported and not (Path(dc.dir) / "meta.json").is_file():
-        why = ("the import found no tokenizer qkvlab can use, so " if dc.tokenizer ==
-               NO_TOKENIZER else "")
-        raise QkvlabError(
-            f"{ckpt.path} is an imported model and {why}there is no prepared data at {dc.dir}: "
-            "pass --data DIR, a folder made by `qkvlab prepare TEXT --tokenizer SPEC --out DIR` "
-            "with the tokenizer the model was trained with (its vocabulary must fit the "
-            f"model's {ckpt.config.model.vocab_size} tokens)")
-    return dc
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch
 
 from qkvlab.errors import QkvlabError
 from qkvlab.model.gpt import GPT
+from qkvlab.theory.convert import approximate_convert
 
 INITS: tuple[str, ...] = ("regress", "basis", "drop")
 F64 = torch.float64
@@ -207,8 +208,6 @@ def build_student(model: GPT, init: str = "regress", moments: list[Moments] | No
     check_source(model, init)
     ref = next(model.parameters())
     if init == "basis":
-        from qkvlab.theory.convert import approximate_convert
-
         student, report = approximate_convert(model, "q-identity")
         fails = ", ".join(h.name.split(" (")[0] for h in report.violations) or "none"
         info = InitInfo(init, f"theory's best available conversion (failing hypotheses: "

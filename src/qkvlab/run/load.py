@@ -8,6 +8,8 @@ starts (`copy_tokenizer`), found again from a checkpoint (`find_tokenizer_dir`,
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,11 @@ from qkvlab.run.checkpoint import Checkpoint, load_model_state
 from qkvlab.run.layout import TOKENIZER_DIR, TOKENIZER_META
 from qkvlab.run.store import read_checkpoint
 from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig
+
+# what import-hf records: state.json "kind" of an imported checkpoint, and the tokenizer
+# spec of one imported without a tokenizer qkvlab can use
+IMPORTED_KIND = "imported"
+NO_TOKENIZER = "unknown"
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Checkpoint]:
@@ -92,7 +99,7 @@ def run_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     folder = find_tokenizer_dir(ckpt)
     if folder is not None:
         return load_tokenizer(folder)
-    if ckpt.config.data.tokenizer == "unknown":  # what import-hf records when it found none
+    if ckpt.config.data.tokenizer == NO_TOKENIZER:
         raise QkvlabError(
             f"{ckpt.path} has no tokenizer (it was imported without one): put the model's "
             "tokenizer files (tokenizer.json, or vocab.json and merges.txt) into the "
@@ -109,3 +116,31 @@ def carry_tokenizer(ckpt: Checkpoint, dest: Path) -> None:
     src_tok = ckpt.run_dir / TOKENIZER_DIR
     if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
         shutil.copytree(src_tok, dest / TOKENIZER_DIR)
+
+
+def data_config(ckpt: Any, data_dir: str | Path | None) -> DataConfig:
+    """The data to evaluate (or heal) a checkpoint on: its run's, or the prepared folder
+    `data_dir`. An imported checkpoint without a tokenizer takes `data_dir`'s tokenizer (it has
+    none to compare it with); one without prepared data is told how to name some."""
+    dc = ckpt.config.data
+    imported = ckpt.state.get("kind") == IMPORTED_KIND
+    if data_dir:
+        if dc.tokenizer != NO_TOKENIZER:
+            return dataclasses.replace(dc, dir=str(data_dir))
+        try:
+            meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
+            tokenizer = str(meta["tokenizer"])
+        except (OSError, ValueError, KeyError, TypeError):
+            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no readable "
+                              "meta.json): make one with `qkvlab prepare`") from None
+        return DataConfig(dir=str(data_dir), source=str(meta.get("source") or "unknown"),
+                          tokenizer=tokenizer, prepare_if_missing=False)
+    if imported and not (Path(dc.dir) / "meta.json").is_file():
+        why = ("the import found no tokenizer qkvlab can use, so " if dc.tokenizer ==
+               NO_TOKENIZER else "")
+        raise QkvlabError(
+            f"{ckpt.path} is an imported model and {why}there is no prepared data at {dc.dir}: "
+            "pass --data DIR, a folder made by `qkvlab prepare TEXT --tokenizer SPEC --out DIR` "
+            "with the tokenizer the model was trained with (its vocabulary must fit the "
+            f"model's {ckpt.config.model.vocab_size} tokens)")
+    return dc

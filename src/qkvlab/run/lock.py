@@ -115,7 +115,7 @@ def _start_time(pid: int) -> str | None:
 def _dir_mutex(folder: Path):
     """flock a folder for a moment (POSIX); a no-op where folders cannot be flocked."""
     try:
-        import fcntl
+        import fcntl  # POSIX only: elsewhere the ImportError below makes this a no-op
     except ImportError:  # Windows
         yield
         return
