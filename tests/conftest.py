@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkvlab.data.prepare import prepare
-from qkvlab.train.config import RunConfig, load_config
+from qkvlab.run.config import RunConfig, load_config
 
 # a tiny pseudo-verse vocabulary: a char dataset of ~8 KB, prepared in well under a second
 WORDS = ("the king is dead long live the queen my lord what say you to this fair maid "

@@ -13,9 +13,9 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
+from qkvlab.run.config import config_toml, load_config
 from qkvlab.theory import convert
 from qkvlab.theory.scale import initial_logit_std
-from qkvlab.train.config import config_toml, load_config
 
 
 def cfg(d: int = 64, **kw) -> ModelConfig:

@@ -6,8 +6,8 @@ import pytest
 
 from qkvlab.cli import main
 from qkvlab.model.params import count_params
+from qkvlab.run.config import load_config
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import load_config
 
 
 @pytest.mark.slow

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from conftest import tiny_config
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
+from qkvlab.run.config import RESUME_HARMLESS, save_config
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import RESUME_HARMLESS, save_config
 from qkvlab.train.distributed import BatchPlan, _by_index, plan_batches
 from qkvlab.train.trainer import train
 

@@ -19,9 +19,9 @@ from qkvlab.experiments.spec import config_identity, load_spec, parse_spec, spec
 from qkvlab.experiments.stats import paired_t, summarize
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.variants import PAPER_SHAPE, derive, paper_variants
+from qkvlab.run.config import load_config, save_config
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
-from qkvlab.train.config import load_config, save_config
 
 
 def tiny_base(data_dir: Path, folder: Path) -> Path:

@@ -21,9 +21,9 @@ from qkvlab.hf.importer import import_model_dir
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.config import DataConfig, RunConfig
 from qkvlab.run.load import load_model
 from qkvlab.theory.common import randomize_
-from qkvlab.train.config import DataConfig, RunConfig
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-5

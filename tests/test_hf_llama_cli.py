@@ -16,9 +16,9 @@ from qkvlab.cli import main
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.config import DataConfig, RunConfig, load_config
 from qkvlab.run.load import load_model
 from qkvlab.theory.common import randomize_
-from qkvlab.train.config import DataConfig, RunConfig, load_config
 from qkvlab.train.trainer import train
 
 transformers = pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
 from qkvlab.model.variants import compare_variants
-from qkvlab.train.config import load_config
+from qkvlab.run.config import load_config
 
 
 @pytest.mark.parametrize("preset", ["shakespeare-char-llama", "shakespeare-char-llama-qidentity"])

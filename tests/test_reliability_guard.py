@@ -31,10 +31,10 @@ from qkvlab.errors import QkvlabError
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout, metrics, store
 from qkvlab.run import lock as run_lock
+from qkvlab.run.config import save_config
 from qkvlab.run.lock import RunLock
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
-from qkvlab.train.config import save_config
 from qkvlab.train.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"

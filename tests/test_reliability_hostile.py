@@ -54,7 +54,7 @@ from qkvlab.fsutil import sha256_file
 from qkvlab.model.config import ModelConfig
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout
-from qkvlab.train.config import DataConfig, OptimConfig, TrainConfig, load_config, save_config
+from qkvlab.run.config import DataConfig, OptimConfig, TrainConfig, load_config, save_config
 from qkvlab.train.trainer import train
 
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -12,8 +12,8 @@ import pytest
 
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
+from qkvlab.run.config import load_config
 from qkvlab.train import trainer
-from qkvlab.train.config import load_config
 
 TINY = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2",
         "--set", "model.block_size=16", "--set", "train.batch_size=4",
@@ -77,7 +77,7 @@ def test_sigterm_stops_a_sweep_with_143(tmp_path, monkeypatch, capsys, data_dir)
         "train.max_steps=6", "train.batch_size=4", "train.eval_windows=4",
         "train.eval_interval=3", "train.ckpt_interval=3", "train.peak_flops=1e12",
         "train.tensorboard=false", "train.dtype=fp32"])
-    from qkvlab.train.config import save_config
+    from qkvlab.run.config import save_config
 
     save_config(cfg, base)
     spec = tmp_path / "s.toml"

@@ -25,8 +25,8 @@ import pytest
 from conftest import tiny_config
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout
+from qkvlab.run.config import save_config
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import save_config
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 MAX_STEPS = 45

@@ -19,10 +19,10 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import guard
+from qkvlab.run.config import save_config
 from qkvlab.run.layout import list_checkpoints
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
-from qkvlab.train.config import save_config
 from qkvlab.train.trainer import train
 
 

@@ -36,7 +36,7 @@ def test_a_sweep_over_widths_reports_the_gap_against_width(tmp_path, data_dir):
     import json
 
     from qkvlab.cli import main
-    from qkvlab.train.config import load_config, save_config
+    from qkvlab.run.config import load_config, save_config
 
     vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
     save_config(load_config("compare-quick", [

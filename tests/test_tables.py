@@ -154,3 +154,10 @@ def test_bench_tables_keep_every_scheme_and_number(screen):
     print_report(results, console)
     text = ANSI.sub("", buf.getvalue())
     assert_whole(text, list(results["schemes"]))
+
+
+def test_presets_list_keeps_every_name(capsys, screen):
+    from qkvlab.run.config import preset_names
+
+    text = cli_text(capsys, ["presets"])
+    assert_whole(text, preset_names())

@@ -266,8 +266,8 @@ def test_refuses_layouts_outside_the_theorems():
 def test_converted_model_trains_samples_and_saves(tmp_path):
     from qkvlab.model.generate import generate
     from qkvlab.run.checkpoint import write_checkpoint
+    from qkvlab.run.config import RunConfig
     from qkvlab.run.load import load_model
-    from qkvlab.train.config import RunConfig
 
     torch.manual_seed(0)
     model = GPT(small_config(n_layer=2, tie_embeddings=True))

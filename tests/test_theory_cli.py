@@ -45,7 +45,7 @@ def data_dir(tmp_path_factory):
 
 def _checkpoint(tmp_path, data_dir, **overrides):
     from qkvlab.run.checkpoint import write_checkpoint
-    from qkvlab.train.config import DataConfig, RunConfig, TrainConfig
+    from qkvlab.run.config import DataConfig, RunConfig, TrainConfig
 
     cfg = small_config(**{"vocab_size": 65, "block_size": 32, "n_layer": 2,
                           "tie_embeddings": True, **overrides})

@@ -14,7 +14,7 @@ from qkvlab.fsutil import sha256_file
 from qkvlab.model import GPT
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout, load, rng, store
-from qkvlab.train.config import load_config
+from qkvlab.run.config import load_config
 from qkvlab.train.optim import build_optimizer
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",

@@ -10,7 +10,7 @@ import torch
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT, ModelConfig
 from qkvlab.model.params import count_params
-from qkvlab.train.config import (
+from qkvlab.run.config import (
     OptimConfig,
     RunConfig,
     load_config,

@@ -16,9 +16,9 @@ import torch
 from conftest import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
+from qkvlab.run.config import load_config, save_config
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
-from qkvlab.train.config import load_config, save_config
 from qkvlab.train.trainer import train
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from qkvlab.cli import main
+from qkvlab.run.config import load_config
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import load_config
 from qkvlab.train.trainer import train
 
 

@@ -12,8 +12,6 @@ import os
 import uuid
 from pathlib import Path
 
-from qkvlab.errors import QkvlabError
-
 
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in chunks so large files need little memory."""
@@ -75,19 +73,3 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_out_dir(out: str | Path | None, default: Path, source: Path, source_is: str
-                       ) -> Path:
-    """The folder a new checkpoint goes to (`out`, else `default`), refused when it is the
-    source itself (`source_is` names it in the message) or an existing folder other than a
-    qkvlab checkpoint: writing a checkpoint replaces its destination, never a foreign folder."""
-    from qkvlab.run.layout import is_checkpoint_dir  # a leaf module of folder names
-
-    dest = Path(out).expanduser() if out else default
-    if dest.resolve() == Path(source).resolve():
-        raise QkvlabError(f"--out {dest} is {source_is}: choose another folder")
-    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
-        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose a "
-                          "new folder")
-    return dest

@@ -12,7 +12,7 @@ import torch
 from qkvlab.bench.timing import autocast, synchronize, time_it
 from qkvlab.model import GPT, ModelConfig
 from qkvlab.model.generate import compiled_forward, generate
-from qkvlab.train.config import OptimConfig
+from qkvlab.run.config import OptimConfig
 from qkvlab.train.optim import build_optimizer
 
 

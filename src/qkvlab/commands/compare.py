@@ -18,7 +18,7 @@ from qkvlab.errors import QkvlabError
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qkvlab.train.config import RunConfig
+    from qkvlab.run.config import RunConfig
 
 
 @dataclass
@@ -60,7 +60,7 @@ def run_compare(opts: CompareOptions) -> int:
         render_table,
         summarize,
     )
-    from qkvlab.train.config import load_config
+    from qkvlab.run.config import load_config
 
     opts.validate()
     overrides = list(opts.overrides)

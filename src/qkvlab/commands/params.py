@@ -30,7 +30,7 @@ def run_params(opts: ParamsOptions) -> int:
         models = [(v.name, v.model) for v in paper_variants()]
         title = "docs/paper.md section 5: GPT-2 small variants"
     else:
-        from qkvlab.train.config import load_config
+        from qkvlab.run.config import load_config
 
         cfg = load_config(opts.config, opts.overrides)
         models = [(cfg.name or "model", cfg.model)]

@@ -14,7 +14,7 @@ class PresetsOptions:
 
 def run_presets(opts: PresetsOptions) -> int:
     """List the shipped presets with a one-line description each."""
-    from qkvlab.train.config import preset_names, preset_summary
+    from qkvlab.run.config import preset_names, preset_summary
 
     names = preset_names()
     width = max(len(n) for n in names)

@@ -29,8 +29,8 @@ class TrainOptions:
 
 def run_train(opts: TrainOptions) -> int:
     """Train from a config file, run folder or preset; print a one-line summary."""
+    from qkvlab.run.config import load_config
     from qkvlab.train import train
-    from qkvlab.train.config import load_config
     from qkvlab.train.distributed import env_rank
 
     cfg = load_config(opts.config, list(opts.overrides))

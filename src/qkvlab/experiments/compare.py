@@ -16,9 +16,9 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.plots import variant_colors
 from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.model.params import count_params
+from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.config import load_config
 
 PRESETS = {"quick": "compare-quick", "long": "compare-long"}
 

@@ -19,6 +19,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.spec import Group
 from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.fsutil import write_text_atomic
+from qkvlab.run.config import load_config
 from qkvlab.run.device import resolve_device
 from qkvlab.run.layout import (
     CONFIG_FILE,
@@ -32,7 +33,6 @@ from qkvlab.run.metrics import read_metrics
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.run.store import read_checkpoint
 from qkvlab.train import objectives
-from qkvlab.train.config import load_config
 
 WINDOW_FILE = "window_losses.json"
 

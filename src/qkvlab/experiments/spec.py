@@ -47,7 +47,7 @@ import tomli_w
 
 from qkvlab.errors import QkvlabError
 from qkvlab.model.variants import RULES, derive
-from qkvlab.train.config import RESUME_HARMLESS, RunConfig, apply_overrides, load_config
+from qkvlab.run.config import RESUME_HARMLESS, RunConfig, apply_overrides, load_config
 
 SPEC_KEYS: tuple[str, ...] = ("name", "description", "base", "set", "seeds", "out")
 VARIANT_META: tuple[str, ...] = ("name", "description", "baseline", "rule", "family", "grid",

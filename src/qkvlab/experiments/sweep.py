@@ -61,6 +61,7 @@ from qkvlab.experiments.spec import (
 )
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.model.params import count_params, flops_per_token
+from qkvlab.run.config import EMBEDDED_SOURCE, load_config, save_config
 from qkvlab.run.layout import (
     CONFIG_FILE,
     FAILED_FILE,
@@ -72,7 +73,6 @@ from qkvlab.run.layout import (
 from qkvlab.run.load import open_data
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
-from qkvlab.train.config import EMBEDDED_SOURCE, load_config, save_config
 
 SWEEP_FILE = "sweep.json"
 LOG_FILE = "train.log"  # a run's output under --jobs N > 1

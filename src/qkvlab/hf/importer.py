@@ -28,7 +28,6 @@ from qkvlab.data.cache import cache_dir
 from qkvlab.data.prepare import default_data_dir
 from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, BPETokenizer
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.hf.export import (
     CONFIG_FILE,
     GPT2_ARCH,
@@ -47,9 +46,9 @@ from qkvlab.hf.gpt2 import (
 from qkvlab.hf.llama import LLAMA_ARCH, check_llama_config, from_llama
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
-from qkvlab.run.layout import TOKENIZER_DIR
+from qkvlab.run.config import DataConfig, RunConfig, TrainConfig
+from qkvlab.run.layout import TOKENIZER_DIR, checkpoint_out_dir
 from qkvlab.run.load import IMPORTED_KIND, NO_TOKENIZER, load_model
-from qkvlab.train.config import DataConfig, RunConfig, TrainConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")

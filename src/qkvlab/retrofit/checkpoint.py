@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
 from qkvlab.retrofit.heal import HealConfig, HealResult, heal
 from qkvlab.retrofit.init import INITS, InitInfo, attention_moments, build_student, check_source
 from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.config import DataConfig
 from qkvlab.run.device import evaluate, resolve_device
+from qkvlab.run.layout import checkpoint_out_dir
 from qkvlab.run.load import carry_tokenizer, check_vocab, data_config, load_model, open_data
-from qkvlab.train.config import DataConfig
 
 TARGETS = ("q-identity",)
 MAX_DEFAULT_WINDOWS = 128  # `qkvlab retrofit --help` states this number

@@ -28,11 +28,11 @@ import torch
 from qkvlab.retrofit.checkpoint import RetrofitReport, write_retrofit
 from qkvlab.retrofit.heal import HealConfig, heal
 from qkvlab.retrofit.init import attention_moments, build_student
+from qkvlab.run.config import load_config
 from qkvlab.run.device import evaluate
 from qkvlab.run.layout import list_checkpoints
 from qkvlab.run.load import load_model, open_data
 from qkvlab.train import train
-from qkvlab.train.config import load_config
 
 BASE_PRESET = "compare-quick"  # 4 layers x 128, context 128, char-level tinyshakespeare
 BASE_STEPS = 1200  # the preset's full length

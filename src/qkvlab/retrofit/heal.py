@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.model.gpt import GPT
+from qkvlab.run.config import OptimConfig
 from qkvlab.run.device import autocast
-from qkvlab.train.config import OptimConfig
 from qkvlab.train.optim import build_optimizer, lr_at, set_lr
 
 

@@ -1,4 +1,4 @@
-"""The run folder: its layout, checkpoints, metrics, lock, and the helpers every tool shares.
+"""The run folder: its config, layout, checkpoints, metrics, lock; helpers every tool shares.
 
 This package sits below `qkvlab.train` and the tools (theory, hf, retrofit, experiments, bench):
 they all read and write run folders through it, and it never imports them. Import from the

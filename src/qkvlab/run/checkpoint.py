@@ -35,6 +35,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file
 from qkvlab.model import ModelConfig
 from qkvlab.run import guard
+from qkvlab.run.config import RunConfig, read_config_source
 from qkvlab.run.layout import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -48,7 +49,6 @@ from qkvlab.run.layout import (
 )
 from qkvlab.run.rng import is_int, rng_state
 from qkvlab.run.validate import KERNEL_KEYS, optimizer_problem, state_problem
-from qkvlab.train.config import RunConfig, read_config_source
 
 FORMAT = "qkvlab-checkpoint"
 FORMAT_VERSION = 1

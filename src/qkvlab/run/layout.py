@@ -22,6 +22,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from qkvlab.errors import QkvlabError
+
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -71,3 +73,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def is_checkpoint_dir(path: Path) -> bool:
     return (Path(path) / MANIFEST_FILE).is_file() or (Path(path) / STATE_FILE).is_file()
+
+
+def checkpoint_out_dir(out: str | Path | None, default: Path, source: Path, source_is: str
+                       ) -> Path:
+    """The folder a new checkpoint goes to (`out`, else `default`), refused when it is the
+    source itself (`source_is` names it in the message) or an existing folder other than a
+    qkvlab checkpoint: writing a checkpoint replaces its destination, never a foreign folder."""
+    dest = Path(out).expanduser() if out else default
+    if dest.resolve() == Path(source).resolve():
+        raise QkvlabError(f"--out {dest} is {source_is}: choose another folder")
+    if dest.exists() and not (dest.is_dir() and is_checkpoint_dir(dest)):
+        raise QkvlabError(f"--out {dest} exists and is not a qkvlab checkpoint folder: choose a "
+                          "new folder")
+    return dest

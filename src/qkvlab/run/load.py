@@ -23,9 +23,9 @@ from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.model import GPT
 from qkvlab.run.checkpoint import Checkpoint, load_model_state
+from qkvlab.run.config import EMBEDDED_SOURCE, DataConfig, RunConfig
 from qkvlab.run.layout import TOKENIZER_DIR, TOKENIZER_META
 from qkvlab.run.store import read_checkpoint
-from qkvlab.train.config import EMBEDDED_SOURCE, DataConfig, RunConfig
 
 # what import-hf records: state.json "kind" of an imported checkpoint, and the tokenizer
 # spec of one imported without a tokenizer qkvlab can use

@@ -29,6 +29,7 @@ from qkvlab.run.checkpoint import (
     open_checkpoint,
     write_checkpoint,
 )
+from qkvlab.run.config import RunConfig
 from qkvlab.run.layout import (
     BEST_DIR,
     CKPT_RE,
@@ -41,7 +42,6 @@ from qkvlab.run.layout import (
     is_checkpoint_dir,
     list_checkpoints,
 )
-from qkvlab.train.config import RunConfig
 
 
 def save_checkpoint(

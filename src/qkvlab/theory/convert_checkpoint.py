@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import checkpoint_out_dir
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.layout import checkpoint_out_dir
 from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
 from qkvlab.theory.convert import TARGETS, ConversionReport, convert
 

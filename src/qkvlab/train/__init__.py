@@ -1,7 +1,7 @@
-"""Training: configs and presets, AdamW + schedule, the loop, distributed training.
+"""Training: AdamW + schedule, the loop, distributed training (the config: qkvlab.run.config).
 
 `from qkvlab.train import train` is the entry point (`train(cfg, resume=...)`); the rest is
-in the submodules (`qkvlab.train.config`, `.trainer`, `.session`, `.steps`, ...). This package
+in the submodules (`qkvlab.run.config`, `.trainer`, `.session`, `.steps`, ...). This package
 module stays light so `qkvlab --help` does not import torch: `train` is loaded on first use.
 """
 

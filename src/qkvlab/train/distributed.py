@@ -35,9 +35,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qkvlab.errors import QkvlabError
 from qkvlab.run.checkpoint import load_optimizer_state
+from qkvlab.run.config import PARALLEL
 from qkvlab.run.device import autocast, evaluate
 from qkvlab.run.rng import rng_state, set_rng_state
-from qkvlab.train.config import PARALLEL
 
 PARALLEL_MODES = PARALLEL  # the train.parallel choices
 _ENV_KEYS = ("RANK", "WORLD_SIZE")

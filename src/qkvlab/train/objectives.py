@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from qkvlab.data.loader import mix_seed
 from qkvlab.errors import QkvlabError
+from qkvlab.run.config import OBJECTIVES
 from qkvlab.run.device import autocast
-from qkvlab.train.config import OBJECTIVES
 from qkvlab.train.distributed import DistContext
 
 IGNORE_INDEX = -100  # GPT.forward skips these targets

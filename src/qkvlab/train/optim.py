@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from qkvlab.train.config import OptimConfig
+from qkvlab.run.config import OptimConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -24,12 +24,12 @@ from qkvlab.model.params import ParamCount, count_params, flops_per_token
 from qkvlab.perf import keep_freed_memory, peak_flops_for
 from qkvlab.run import store
 from qkvlab.run.checkpoint import Checkpoint, load_model_state
+from qkvlab.run.config import RunConfig, config_diff, save_config
 from qkvlab.run.device import check_dtype
 from qkvlab.run.layout import CONFIG_FILE, METRICS_FILE, list_checkpoints
 from qkvlab.run.load import check_vocab, copy_tokenizer, open_data
 from qkvlab.run.metrics import MetricsLog, NullLog, check_metrics
 from qkvlab.train import distributed, objectives
-from qkvlab.train.config import RunConfig, config_diff, save_config
 from qkvlab.train.optim import build_optimizer
 from qkvlab.train.progress import Reporter, open_tensorboard
 

@@ -20,11 +20,11 @@ from qkvlab.model import GPT
 from qkvlab.perf import mfu
 from qkvlab.run import guard, store
 from qkvlab.run.checkpoint import write_checkpoint
+from qkvlab.run.config import RunConfig
 from qkvlab.run.device import autocast, perplexity
 from qkvlab.run.layout import BEST_DIR
 from qkvlab.run.metrics import finite_or_null
 from qkvlab.train import distributed, objectives
-from qkvlab.train.config import RunConfig
 from qkvlab.train.optim import lr_at, set_lr
 from qkvlab.train.session import Session, TrainState
 

@@ -18,11 +18,11 @@ from typing import Any
 
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.run import guard, store
+from qkvlab.run.config import RunConfig
 from qkvlab.run.device import resolve_device
 from qkvlab.run.layout import SUMMARY_FILE
 from qkvlab.run.lock import RunLock
 from qkvlab.train import distributed
-from qkvlab.train.config import RunConfig
 from qkvlab.train.optim import lr_at
 from qkvlab.train.progress import StopFlag
 from qkvlab.train.session import Session, close_outputs, open_outputs, setup
