@@ -36,6 +36,7 @@ import torch
 from qkvlab.errors import QkvlabError
 from qkvlab.model.gpt import GPT
 from qkvlab.theory.convert import approximate_convert
+from qkvlab.theory.rope import commuting_basis
 
 INITS: tuple[str, ...] = ("regress", "basis", "drop")
 F64 = torch.float64
@@ -131,18 +132,6 @@ def _without_query(model: GPT) -> dict[str, torch.Tensor]:
     return sd
 
 
-def _rope_basis(dk: int) -> torch.Tensor:
-    """(dk, dk, dk): a basis of the d_k x d_k maps that commute with RoPE's rotations, which
-    turn channel pairs (i, i + d_k/2) by distinct frequencies: per pair, I and the quarter turn
-    J restricted to the pair's plane."""
-    half = dk // 2
-    basis = torch.zeros(dk, dk, dk, dtype=F64)
-    for j in range(half):
-        basis[2 * j, j, j] = basis[2 * j, j + half, j + half] = 1.0
-        basis[2 * j + 1, j, j + half], basis[2 * j + 1, j + half, j] = 1.0, -1.0
-    return basis
-
-
 def _least_squares_map(s_hh: torch.Tensor, cross: torch.Tensor, lam: float,
                        basis: torch.Tensor | None) -> torch.Tensor:
     """argmin_A E|t - u_h A|^2 + lam |A|^2 (normal equations in the moments), A general or in
@@ -163,7 +152,7 @@ def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
     cfg = model.cfg
     H, dk = cfg.n_head, cfg.d_head
     src = model.state_dict()
-    basis = _rope_basis(dk) if cfg.positions == "rope" else None
+    basis = commuting_basis(dk) if cfg.positions == "rope" else None
     r2_blocks = []
     for i, mom in enumerate(moments):
         w = src[f"blocks.{i}.attn.in_proj.weight"].detach().to("cpu", F64)  # (3d, d)

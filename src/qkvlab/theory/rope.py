@@ -34,19 +34,25 @@ def rope_angles(d_head: int, length: int, base: float = 10000.0
     return angles.cos(), angles.sin()
 
 
+def commuting_basis(d_head: int) -> torch.Tensor:
+    """(d_head, d_head, d_head): a basis of the maps (column convention q = x W) that commute
+    with every RoPE rotation, which turns each channel pair (i, i + half) by its own frequency:
+    per pair, the identity and the quarter turn of that pair's plane."""
+    half = d_head // 2
+    basis = torch.zeros(d_head, d_head, d_head, dtype=F64)
+    for j in range(half):
+        basis[2 * j, j, j] = basis[2 * j, j + half, j + half] = 1.0
+        basis[2 * j + 1, j, j + half], basis[2 * j + 1, j + half, j] = 1.0, -1.0
+    return basis
+
+
 def commuting_query(d_head: int, gen: torch.Generator) -> torch.Tensor:
-    """A random W_Q (d_head x d_head, column convention q = x W_Q) that commutes with every
-    RoPE rotation: a rotation-scaling [[a, b], [-b, a]] on each channel pair (i, i + half)."""
+    """A random W_Q in that family: a rotation-scaling [[a, b], [-b, a]] on each channel pair."""
     half = d_head // 2
     a = 0.5 + torch.rand(half, generator=gen, dtype=F64)
     b = torch.randn(half, generator=gen, dtype=F64)
-    w = torch.zeros(d_head, d_head, dtype=F64)
-    idx = torch.arange(half)
-    w[idx, idx] = a
-    w[idx + half, idx + half] = a
-    w[idx, idx + half] = b
-    w[idx + half, idx] = -b
-    return w
+    coef = torch.stack([a, b], dim=1).reshape(-1)  # a_0, b_0, a_1, b_1, ... as the basis
+    return torch.einsum("m,mij->ij", coef, commuting_basis(d_head))
 
 
 def _head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True
