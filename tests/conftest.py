@@ -67,3 +67,14 @@ def data_dir(tmp_path_factory) -> Path:
     out = root / "verse-char"
     prepare(str(text_file), "char", out, val_fraction=0.1)
     return out
+
+
+def refused(capsys, args: list[str]) -> str:
+    """The one-line error of a `qkvlab` command that must exit 2 (no traceback)."""
+    from qkvlab.cli import main
+
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err
+    return err

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from conftest import refused
 from qkvlab.cli import main
 from qkvlab.run.load import load_model
 
@@ -42,14 +43,6 @@ def gpt2_dir(tmp_path) -> Path:
     hf_gpt2().save_pretrained(folder)
     return folder
 
-
-def refused(capsys, args: list[str]) -> str:
-    """The one-line error of a command that must exit 2."""
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err and "\n" not in err and "Traceback" not in err
-    return err
 
 
 def leftovers(folder: Path) -> list[str]:

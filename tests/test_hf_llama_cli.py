@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
+from conftest import refused, tiny_overrides
 from qkvlab.cli import main
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.config import DataConfig, RunConfig, load_config
 from qkvlab.run.load import load_model
-from qkvlab.theory.common import randomize_
 from qkvlab.train.trainer import train
+from test_hf_llama import llama_cfg, random_llama
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 48
@@ -28,17 +28,7 @@ TOL = 1e-4
 
 def llama_model(**kw) -> GPT:
     """A random Llama-style qkvlab model (generic weights, learned gains away from 1)."""
-    base = dict(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=VOCAB,
-                norm="rmsnorm", positions="rope", mlp="swiglu", mlp_hidden=64)
-    cfg = ModelConfig(**{**base, **kw})
-    torch.manual_seed(0)
-    model = GPT(cfg)
-    randomize_(model, 0)
-    with torch.no_grad():
-        for block in model.blocks:
-            if block.attn.logit_gain is not None:
-                block.attn.logit_gain.copy_(torch.linspace(0.5, 2.0, cfg.n_head))
-    return model.float().eval()
+    return random_llama(llama_cfg(**kw))
 
 
 def save_ckpt(model: GPT, run: Path) -> Path:
@@ -62,13 +52,6 @@ def max_diff(ours: GPT, hf, seed: int = 1) -> float:
 def verified(text: str) -> float:
     return float(re.search(r"max \|logit diff\| (\S+)", text).group(1))
 
-
-def refused(capsys, args: list[str]) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err and "\n" not in err and "Traceback" not in err
-    return err
 
 
 def no_leftovers(folder: Path) -> bool:

@@ -303,19 +303,13 @@ def _qkvlab_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], projection: str
     for i in range(cfg.n_layer):
         a, m, p = f"layers.{i}.self_attn.", f"layers.{i}.mlp.", f"blocks.{i}."
         kept = [n for n in "qkv" if n != skip]
-        out[p + "attn.in_proj.weight"] = torch.cat([_need(f32, a + f"{n}_proj.weight")
-                                                    for n in kept])
-        out[p + "attn.out_proj.weight"] = _need(f32, a + "o_proj.weight")
-        out[p + "mlp.fc_in.weight"] = torch.cat([_need(f32, m + "gate_proj.weight"),
-                                                 _need(f32, m + "up_proj.weight")])
-        out[p + "mlp.fc_out.weight"] = _need(f32, m + "down_proj.weight")
-        if cfg.bias:
-            out[p + "attn.in_proj.bias"] = torch.cat([_need(f32, a + f"{n}_proj.bias")
-                                                      for n in kept])
-            out[p + "attn.out_proj.bias"] = _need(f32, a + "o_proj.bias")
-            out[p + "mlp.fc_in.bias"] = torch.cat([_need(f32, m + "gate_proj.bias"),
-                                                   _need(f32, m + "up_proj.bias")])
-            out[p + "mlp.fc_out.bias"] = _need(f32, m + "down_proj.bias")
+        for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            out[p + f"attn.in_proj.{kind}"] = torch.cat([_need(f32, a + f"{n}_proj.{kind}")
+                                                         for n in kept])
+            out[p + f"attn.out_proj.{kind}"] = _need(f32, a + f"o_proj.{kind}")
+            out[p + f"mlp.fc_in.{kind}"] = torch.cat([_need(f32, m + f"gate_proj.{kind}"),
+                                                      _need(f32, m + f"up_proj.{kind}")])
+            out[p + f"mlp.fc_out.{kind}"] = _need(f32, m + f"down_proj.{kind}")
         out[p + "norm1.weight"] = _need(f32, f"layers.{i}.input_layernorm.weight")
         out[p + "norm2.weight"] = _need(f32, f"layers.{i}.post_attention_layernorm.weight")
     known = {"embed_tokens.weight", "norm.weight", "lm_head.weight"}
