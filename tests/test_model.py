@@ -253,7 +253,7 @@ def test_attention_scale_defaults_and_override():
     assert tiny(projection="q-identity", attn_scale=0.3).scale == 0.3
 
 
-def test_flops_ratio_matches_issue_figures():
+def test_flops_ratio_matches_the_documented_figures():
     baby = ModelConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, vocab_size=65)
     paper = ModelConfig(**PAPER)
     for cfg, ideal in ((baby, 1.08), (paper, 1.05)):

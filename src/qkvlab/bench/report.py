@@ -67,7 +67,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     summary: dict[str, Any] = {
         "reference": ref,
         "versus_reference": versus,
-        # the headline numbers of the issue: q-identity against baseline
+        # the headline numbers: q-identity against the baseline
         "ideal_speedup": head["ideal_speedup"] if head else None,
         "measured_speedup": head["measured_speedup"] if head else None,
         "share_realised": head["share_realised"] if head else None,

@@ -1,7 +1,7 @@
 """`qkvlab sweep`: train an experiment spec (variants x seeds) run by run, resumably.
 
 The steps, in order: resolve the spec into runs and check everything that exists already
-(`_resolve`), then either describe the plan (`--dry-run`), or record this session and copy
+(`_resolve`), then either describe the plan (`--dry-run`), or record this invocation and copy
 reusable runs (`_start`) and print one command per pending run (`--print-commands`) or train
 them (`_train`: one after another, through a launcher, or `--jobs N` at once), then report
 (`_finish`). The machinery lives in qkvlab.experiments.sweep.
@@ -183,7 +183,7 @@ def _dry_run(sw: _Sweep) -> int:
 
 
 def _start(sw: _Sweep, opts: SweepOptions) -> None:
-    """Prepare the data, record this session in sweep.json, copy the reusable runs."""
+    """Prepare the data, record this invocation in sweep.json, copy the reusable runs."""
     from qkvlab.experiments import sweep as lib
 
     if len(sw.todo) > lib.MAX_RUNS_WITHOUT_YES and not opts.yes:
