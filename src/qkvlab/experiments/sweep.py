@@ -479,7 +479,9 @@ def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jo
                 console.print(f"[red]{run.label} failed[/] (status {rc}): "
                               f"{run.run_dir / LOG_FILE}")
             else:
-                console.print(f"finished {run.label}")
+                loss = (read_json_record(run.run_dir / SUMMARY_FILE) or {}).get("final_val_loss")
+                console.print(f"finished {run.label}" + (f": val loss {loss:.4f}"
+                                                         if isinstance(loss, float) else ""))
     return stopped
 
 
