@@ -45,6 +45,15 @@ def _f(x: float | None, fmt: str = ".4f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
 
 
+def _pct(x: float | None, fmt: str = "+.3f", prefix: str = "") -> str:
+    """A percentage as the tables print it, "n/a" when there is none."""
+    return "n/a" if x is None or math.isnan(x) else f"{prefix}{format(x, fmt)}%"
+
+
+def _pct_ci(ci: tuple[float | None, float | None]) -> str:
+    return "n/a" if None in ci else f"[{_pct(ci[0])}, {_pct(ci[1])}]"
+
+
 def _p(p: float | None) -> str:
     if p is None:
         return "n/a"
@@ -213,9 +222,8 @@ def _paired_table(rep: Report) -> list[str]:
         L.append(f"| {g.group.name} | {t.n} ({', '.join(map(str, g.paired_seeds))}) | "
                  f"{_f(t.mean, '+.4f')} | {_f(t.std)} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_f(t.t, '.2f')} | "
-                 f"{_p(t.p)} | {_p(g.p_holm)} | {_f(g.rel_pct, '+.3f')}% | "
-                 f"[{_f(g.rel_ci[0], '+.3f')}%, {_f(g.rel_ci[1], '+.3f')}%] | "
-                 f"+-{_f(g.resolvable_pct, '.3f')}% | {paper} |")
+                 f"{_p(t.p)} | {_p(g.p_holm)} | {_pct(g.rel_pct)} | {_pct_ci(g.rel_ci)} | "
+                 f"{_pct(g.resolvable_pct, '.3f', '+-')} | {paper} |")
     return L
 
 
@@ -227,12 +235,15 @@ def _resolution(rep: Report) -> list[str]:
         return ["Fewer than two paired seeds: no test is possible."]
     n = min(g.paired.n for g in tested)
     widths = [g.resolvable_pct for g in tested if g.resolvable_pct is not None]
-    span = (f"a difference smaller than +-{min(widths):.2f}% to +-{max(widths):.2f}% (half the "
+    spread = (f"+-{min(widths):.2f}%" if f"{min(widths):.2f}" == f"{max(widths):.2f}"
+              else f"+-{min(widths):.2f}% to +-{max(widths):.2f}%")
+    span = (f"a difference smaller than {spread} (half the "
             "95% interval, column *resolvable*) cannot be told from 0" if widths else "")
     return [f"What {n} seeds can show: {span}; the t-test assumes the seed differences are "
             f"normal, and a distribution-free sign test over {n} seeds cannot go below "
             f"p = {sign_test_floor(n):.3g}. *p (Holm)* adjusts p for the {len(tested)} "
-            "comparisons of this report (family-wise 5%)."]
+            f"comparison{'s' if len(tested) > 1 else ''} of this report with a test "
+            "(family-wise 5%)."]
 
 
 def _per_window_table(rep: Report) -> list[str]:
@@ -250,7 +261,7 @@ def _per_window_table(rep: Report) -> list[str]:
             continue
         L.append(f"| {g.group.name} | {t.n} | {_f(t.mean, '+.4f')} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_p(t.p)} | "
-                 f"{_f(g.window_rel_pct, '+.3f')}% |")
+                 f"{_pct(g.window_rel_pct)} |")
     return L
 
 
@@ -330,8 +341,7 @@ def _width_section(rep: Report, plots: dict[str, str]) -> list[str]:
         L.append(f"| {w.family} | {w.width} | {w.group} | {w.reference} | "
                  f"{', '.join(map(str, r.seeds))} | {_f(t.mean, '+.4f')} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_p(t.p)} | "
-                 f"{_f(r.rel_pct, '+.3f')}% | [{_f(r.rel_ci[0], '+.3f')}%, "
-                 f"{_f(r.rel_ci[1], '+.3f')}%] |")
+                 f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} |")
     if "width" in plots:
         L += ["", f"![gap vs width]({plots['width']})"]
     return L
