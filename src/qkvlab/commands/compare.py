@@ -132,6 +132,7 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
 
     from qkvlab.bench.workloads import TrainBench
     from qkvlab.run.device import resolve_device
+    from qkvlab.train.progress import fmt_eta
 
     cfg = todo[0][2]
     device = resolve_device(cfg.train.device)
@@ -148,12 +149,8 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
         # an evaluation is a forward pass (~1/3 of a training step) over eval_windows windows
         eval_steps = evals * c.train.eval_windows / c.train.batch_size / 3
         total += (steps + eval_steps) * step_s
-    return (f"expected: about {_minutes(total)} for {len(todo)} run(s) (a training step of "
-            f"{todo[0][0]} takes {step_s * 1e3:.0f} ms on this machine)")
-
-
-def _minutes(seconds: float) -> str:
-    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    return (f"expected: about {fmt_eta(total)} (h:mm:ss) for {len(todo)} run(s) (a training "
+            f"step of {todo[0][0]} takes {step_s * 1e3:.0f} ms on this machine)")
 
 
 def add_parser(sub: Subparsers) -> None:
