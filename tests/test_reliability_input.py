@@ -69,17 +69,12 @@ def test_compare_does_not_take_a_stopped_run_for_a_finished_one(tmp_path, monkey
 
 
 def test_sigterm_stops_a_sweep_with_143(tmp_path, monkeypatch, capsys, data_dir):
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    base = tmp_path / "base.toml"
-    cfg = load_config("compare-quick", [
-        "model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=16",
-        f"model.vocab_size={vocab}", f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "train.max_steps=6", "train.batch_size=4", "train.eval_windows=4",
-        "train.eval_interval=3", "train.ckpt_interval=3", "train.peak_flops=1e12",
-        "train.tensorboard=false", "train.dtype=fp32"])
+    from conftest import tiny_config
     from qkvlab.run.config import save_config
 
-    save_config(cfg, base)
+    base = tmp_path / "base.toml"
+    save_config(tiny_config(data_dir, "model.n_layer=1", "train.max_steps=6",
+                            "train.eval_interval=3", "train.ckpt_interval=3"), base)
     spec = tmp_path / "s.toml"
     spec.write_text('[spec]\nname = "s"\nbase = "base.toml"\nseeds = [1]\n\n[[variant]]\n'
                     'name = "baseline"\nbaseline = true\nrule = "baseline"\n\n[[variant]]\n'

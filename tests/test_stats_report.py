@@ -35,16 +35,13 @@ def test_sign_test_floor():
 def test_a_sweep_over_widths_reports_the_gap_against_width(tmp_path, data_dir):
     import json
 
+    from conftest import tiny_config
     from qkvlab.cli import main
-    from qkvlab.run.config import load_config, save_config
+    from qkvlab.run.config import save_config
 
-    vocab = json.loads((data_dir / "meta.json").read_text())["vocab_size"]
-    save_config(load_config("compare-quick", [
-        "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=16",
-        f"model.vocab_size={vocab}", f"data.dir={data_dir}", "data.prepare_if_missing=false",
-        "train.max_steps=4", "train.batch_size=4", "train.eval_windows=4",
-        "train.eval_interval=2", "train.ckpt_interval=4", "train.peak_flops=1e12",
-        "train.tensorboard=false", "train.dtype=fp32"]), tmp_path / "base.toml")
+    save_config(tiny_config(data_dir, "model.n_layer=1", "model.n_embd=16", "train.max_steps=4",
+                            "train.eval_interval=2", "train.eval_windows=4",
+                            "train.ckpt_interval=4"), tmp_path / "base.toml")
     spec = tmp_path / "w.toml"
     spec.write_text("""
 [spec]
