@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from qkvlab.experiments.results import GroupResult, Report, WidthGap
+from qkvlab.experiments.results import GroupResult, Report, SettingGap, TrendAxis
 from qkvlab.experiments.stats import summarize
 
 
@@ -172,16 +172,16 @@ def _paired_points(rep: Report, groups: list[GroupResult], key: str
     return dx, dy, lo, hi
 
 
-def plot_width(gaps: list[WidthGap], ref: str, path: Path) -> None:
-    """The paired gap to the same-width reference (%, 95% interval) against the width, one
-    line per family."""
+def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> None:
+    """The paired gap to the reference at the same setting (%, 95% interval) against the
+    setting (width or learning rate), one line per family."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     fams = list(dict.fromkeys(w.family for w in gaps))
     colors = variant_colors(fams)
     for fam in fams:
         pts = [w for w in gaps if w.family == fam and w.result.rel_pct is not None]
-        xs = [w.width for w in pts]
+        xs = [w.value for w in pts]
         ys = [w.result.rel_pct for w in pts]
         lo = [y - (w.result.rel_ci[0] if w.result.rel_ci[0] is not None else y)
               for w, y in zip(pts, ys, strict=True)]
@@ -190,8 +190,8 @@ def plot_width(gaps: list[WidthGap], ref: str, path: Path) -> None:
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=fam, color=colors[fam])
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="width d (n_embd)", ylabel=f"% vs {ref} of the same width (same seed)",
-           title="gap to the baseline against width (mean, 95% interval over seeds)")
+    ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
+           title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     _save(plt, fig, path)

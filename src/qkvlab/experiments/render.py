@@ -12,7 +12,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from qkvlab.experiments.results import GroupResult, Report, grid_families, width_gaps
+from qkvlab.experiments.results import (
+    TREND_AXES,
+    GroupResult,
+    Report,
+    TrendAxis,
+    grid_families,
+    setting_gaps,
+)
 from qkvlab.experiments.spec import Spec
 from qkvlab.experiments.stats import Summary, sign_test_floor
 from qkvlab.experiments.sweep import machine_info, now_iso
@@ -107,7 +114,8 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     if rep.per_window:
         L += _per_window_table(rep)
     L += _curves(plots)
-    L += _width_section(rep, plots)
+    for axis in TREND_AXES:
+        L += _gap_section(rep, axis, plots)
     for key, title in (("weight_decay", "Stability: final loss vs weight decay"),
                        ("lr", "Final loss vs learning rate")):
         fams = grid_families(rep, key)
@@ -324,24 +332,25 @@ def _runs_table(rep: Report) -> list[str]:
     return L
 
 
-def _width_section(rep: Report, plots: dict[str, str]) -> list[str]:
-    """The gap to the same-width baseline against width, when the sweep spans widths."""
-    gaps = width_gaps(rep)
+def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[str]:
+    """The gap to the baseline at the same setting against a trend axis (width, learning
+    rate), when the sweep spans it."""
+    gaps = setting_gaps(rep, axis)
     if not gaps:
         return []
-    fam = rep.baseline.group.family
-    L = ["", "## Gap to the baseline against width", "",
-         f"Each group against the {fam} group of its own width, paired by seed (t-test, 95% "
-         "interval), as % of that baseline's loss.", "",
-         "| family | d | group | vs | seeds | mean diff | 95% CI | p | relative "
+    fam, short = rep.baseline.group.family, "d" if axis.name == "width" else axis.name
+    L = ["", f"## Gap to the baseline against {axis.name}", "",
+         f"Each group against the {fam} group at its own {axis.name}, paired by seed (t-test, "
+         "95% interval), as % of that baseline's loss.", "",
+         f"| family | {short} | group | vs | seeds | mean diff | 95% CI | p | relative "
          "| relative 95% CI |",
          "|---|---:|---|---|---|---:|---|---:|---:|---|"]
     for w in gaps:
         t, r = w.result.test, w.result
-        L.append(f"| {w.family} | {w.width} | {w.group} | {w.reference} | "
+        L.append(f"| {w.family} | {w.value:g} | {w.group} | {w.reference} | "
                  f"{', '.join(map(str, r.seeds))} | {_f(t.mean, '+.4f')} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_p(t.p)} | "
                  f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} |")
-    if "width" in plots:
-        L += ["", f"![gap vs width]({plots['width']})"]
+    if f"gap_{axis.name}" in plots:
+        L += ["", f"![gap vs {axis.name}]({plots[f'gap_{axis.name}']})"]
     return L

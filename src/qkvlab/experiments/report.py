@@ -32,17 +32,18 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.plots import plot_curves, plot_grid, plot_rel, plot_width
+from qkvlab.experiments.plots import plot_curves, plot_gaps, plot_grid, plot_rel
 from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.results import (
     CONFIDENCE,
+    TREND_AXES,
     GroupResult,
     Report,
     grid_families,
     group_result,
     pair_with_reference,
     pick_reference,
-    width_gaps,
+    setting_gaps,
 )
 from qkvlab.experiments.runs import find_seeds, per_window_losses, read_run
 from qkvlab.experiments.spec import Group, Spec, identity_diff
@@ -110,10 +111,12 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "baseline": rep.baseline.group.name,
         "confidence": CONFIDENCE,
         "groups": [g.as_dict() for g in rep.groups],
-        "width_gaps": [{"family": w.family, "width": w.width, "group": w.group,
-                        "reference": w.reference, "seeds": w.result.seeds,
-                        **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,
-                        "relative_ci_pct": list(w.result.rel_ci)} for w in width_gaps(rep)],
+        **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
+                               "reference": w.reference, "seeds": w.result.seeds,
+                               **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,
+                               "relative_ci_pct": list(w.result.rel_ci)}
+                              for w in setting_gaps(rep, a)]
+           for a in TREND_AXES},
         "runs": [r.as_dict() for r in rep.runs()],
     }
 
@@ -132,10 +135,12 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             name = f"final_vs_{key}.png"
             plot_grid(rep, key, fams, out / name)
             plots[key] = name
-    gaps = width_gaps(rep)
-    if gaps:
-        plot_width(gaps, rep.baseline.group.family, out / "gap_vs_width.png")
-        plots["width"] = "gap_vs_width.png"
+    for axis in TREND_AXES:
+        gaps = setting_gaps(rep, axis)
+        if gaps:
+            name = f"gap_vs_{axis.name}.png"
+            plot_gaps(gaps, axis, rep.baseline.group.family, out / name)
+            plots[f"gap_{axis.name}"] = name
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
     path = out / "report.md"
     write_text_atomic(path, render_markdown(rep, command, plots))

@@ -163,36 +163,56 @@ def _seed_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
     g.rel_pct, g.rel_ci = pr.rel_pct, pr.rel_ci
 
 
+@dataclass(frozen=True)
+class TrendAxis:
+    """A setting a sweep can vary along (a trend): each group is paired with the reference
+    family's group at the same setting, and the gap is drawn against it."""
+
+    name: str  # "width": the report.json key <name>_gaps, the section and plot names
+    section: str  # where the setting lives in the run config
+    key: str
+    label: str  # the plot's x axis
+
+
+TREND_AXES = (TrendAxis("width", "model", "n_embd", "width d (n_embd)"),
+              TrendAxis("lr", "optim", "lr", "peak learning rate"))
+
+
 @dataclass
-class WidthGap:
-    """A group against the reference family's group of the same width."""
+class SettingGap:
+    """A group against the reference family's group at the same trend settings."""
 
     family: str
-    width: int
+    value: float  # the group's value on the axis
     group: str
     reference: str
     result: PairedRelative
 
 
-def width_gaps(rep: Report, key: str = "n_embd") -> list[WidthGap]:
-    """When the reference's family spans two or more values of model.<key> (a width trend),
-    each other group paired with the reference-family group of its own width; else nothing."""
+def _settings(g: GroupResult) -> tuple[float, ...]:
+    return tuple(getattr(getattr(g.group.config, a.section), a.key) for a in TREND_AXES)
+
+
+def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
+    """When the reference's family spans two or more values on `axis` (a width or learning-rate
+    trend), each other group paired with the reference-family group at its own settings on every
+    trend axis; else nothing."""
     fam = rep.baseline.group.family
-    refs = {getattr(g.group.config.model, key): g for g in rep.groups if g.group.family == fam}
-    if len(refs) < 2:
+    at = TREND_AXES.index(axis)
+    refs = {_settings(g): g for g in rep.groups if g.group.family == fam}
+    if len({k[at] for k in refs}) < 2:
         return []
     out = []
     for g in rep.groups:
-        width = getattr(g.group.config.model, key)
-        ref = refs.get(width)
+        ref = refs.get(_settings(g))
         if g.group.family == fam or ref is None:
             continue
         base = {r.seed: r for r in ref.runs if r.status == "done"}
         pairs = [(r, base[r.seed]) for r in g.runs if r.status == "done" and r.seed in base]
         if pairs:
-            out.append(WidthGap(g.group.family, width, g.group.name, ref.group.name,
-                                paired_relative(pairs)))
-    return sorted(out, key=lambda w: (w.family, w.width))
+            out.append(SettingGap(g.group.family, _settings(g)[at], g.group.name,
+                                  ref.group.name, paired_relative(pairs)))
+    return sorted(out, key=lambda w: (w.family, w.value))
 
 
 def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
