@@ -136,3 +136,12 @@ grid = { lr = [0.004] }
     assert "## Gap to the baseline against lr" in text and "gap_vs_lr.png" in text
     assert "against width" not in text
     assert (rep / "gap_vs_lr.png").stat().st_size > 5_000
+
+    # the gap over training: per seed 100 (L - L_base) / L_base at each evaluated step, averaged
+    gap = data["gap_over_training"]
+    assert gap["steps"] == [2, 4] and "## The gap over training" in text
+    runs = {(r["group"], r["seed"]): r["final_val_loss"] for r in data["runs"]}
+    want = sum(100 * (runs[("qid", s)] - runs[("baseline", s)]) / runs[("baseline", s)]
+               for s in (1, 2)) / 2
+    assert gap["relative_pct"]["qid"][-1] == pytest.approx(want)
+    assert set(gap["relative_pct"]) == {"baseline-lr.lr0.004", "qid", "qid-lr.lr0.004"}

@@ -6,8 +6,14 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from qkvlab.experiments.results import GroupResult, Report, SettingGap, TrendAxis
-from qkvlab.experiments.stats import summarize
+from qkvlab.experiments.results import (
+    GroupResult,
+    Report,
+    SettingGap,
+    TrendAxis,
+    mean_band,
+    rel_curves,
+)
 
 
 def _pyplot():
@@ -25,17 +31,6 @@ def variant_colors(names: list[str]) -> dict[str, str]:
     every panel and plot (a panel that leaves the baseline out does not shift the others)."""
     palette = [f"C{i}" for i in range(10)]  # matplotlib's default cycle
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
-
-
-def _mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
-    """Steps common to all curves, the mean and the sample std (0 for one curve)."""
-    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
-    means, stds = [], []
-    for s in steps:
-        st = summarize([c[s] for c in curves])
-        means.append(st.mean)
-        stds.append(st.std or 0.0)
-    return steps, means, stds
 
 
 def _band(ax, steps: list[int], mean: list[float], std: list[float], color) -> None:
@@ -57,7 +52,7 @@ def plot_curves(rep: Report, path: Path) -> None:
     top = None
     for g in rep.groups:
         curves = [r.curve for r in g.runs if r.status == "done"]
-        steps, mean, std = _mean_band(curves)
+        steps, mean, std = mean_band(curves)
         if not steps:
             continue
         color = colors[g.group.name]
@@ -75,20 +70,6 @@ def plot_curves(rep: Report, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     _save(plt, fig, path)
-
-
-def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], list[float], int]:
-    """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds."""
-    base = {r.seed: r.curve for r in rep.baseline.runs if r.status == "done"}
-    rels = []
-    for r in g.runs:
-        if r.status != "done" or r.seed not in base:
-            continue
-        b = base[r.seed]
-        rels.append({s: 100.0 * (v - b[s]) / b[s] for s, v in r.curve.items()
-                     if s in b and s > 0 and b[s]})  # step 0: the initial weights only
-    steps, mean, std = _mean_band(rels)
-    return steps, mean, std, len(rels)
 
 
 def plot_rel(rep: Report, path: Path) -> None:

@@ -17,6 +17,7 @@ from qkvlab.experiments.results import (
     GroupResult,
     Report,
     TrendAxis,
+    gap_over_training,
     grid_families,
     setting_gaps,
 )
@@ -113,6 +114,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     L += _paired_table(rep)
     if rep.per_window:
         L += _per_window_table(rep)
+    L += _training_gap_section(rep)
     L += _curves(plots)
     for axis in TREND_AXES:
         L += _gap_section(rep, axis, plots)
@@ -329,6 +331,21 @@ def _runs_table(rep: Report) -> list[str]:
         L.append(f"| {r.group} | {r.seed} | {status} | {r.steps:,}/{r.max_steps:,} | "
                  f"{_f(r.final_loss)} |" + (f" {_f(r.final_acc)} |" if mlm else "")
                  + f" {_f(r.tokens_per_s, ',.0f')} | {folder} |")
+    return L
+
+
+def _training_gap_section(rep: Report) -> list[str]:
+    """The paired gap at a few steps: is it closing, steady or opening when training stops?"""
+    gap = gap_over_training(rep)
+    if gap is None:
+        return []
+    L = ["", "## The gap over training", "",
+         f"Paired difference to {rep.baseline.group.name}'s validation loss at the same step and "
+         "seed, as % of it, mean over the finished seeds (the curve is rel_diff.png).", "",
+         "| variant | " + " | ".join(f"step {s:,}" for s in gap.steps) + " |",
+         "|---|" + "---:|" * len(gap.steps)]
+    for name, row in gap.rel_pct.items():
+        L.append(f"| {name} | " + " | ".join(_pct(v) for v in row) + " |")
     return L
 
 

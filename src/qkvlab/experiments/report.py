@@ -39,6 +39,7 @@ from qkvlab.experiments.results import (
     TREND_AXES,
     GroupResult,
     Report,
+    gap_over_training,
     grid_families,
     group_result,
     pair_with_reference,
@@ -100,6 +101,11 @@ def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path) -> None:
                           f"or report the folder itself (qkvlab report {sweep_dir})")
 
 
+def _training_gap_json(rep: Report) -> dict[str, Any] | None:
+    gap = gap_over_training(rep)
+    return None if gap is None else {"steps": gap.steps, "relative_pct": gap.rel_pct}
+
+
 def report_json(rep: Report, command: str) -> dict[str, Any]:
     return {
         "spec": rep.spec.name,
@@ -111,6 +117,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "baseline": rep.baseline.group.name,
         "confidence": CONFIDENCE,
         "groups": [g.as_dict() for g in rep.groups],
+        "gap_over_training": _training_gap_json(rep),
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
                                "reference": w.reference, "seeds": w.result.seeds,
                                **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,

@@ -215,6 +215,54 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     return sorted(out, key=lambda w: (w.family, w.value))
 
 
+def mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
+    """Steps common to all curves, the mean and the sample std (0 for one curve)."""
+    steps = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+    means, stds = [], []
+    for s in steps:
+        st = summarize([c[s] for c in curves])
+        means.append(st.mean)
+        stds.append(st.std or 0.0)
+    return steps, means, stds
+
+
+def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], list[float], int]:
+    """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds."""
+    base = {r.seed: r.curve for r in rep.baseline.runs if r.status == "done"}
+    rels = []
+    for r in g.runs:
+        if r.status != "done" or r.seed not in base:
+            continue
+        b = base[r.seed]
+        rels.append({s: 100.0 * (v - b[s]) / b[s] for s, v in r.curve.items()
+                     if s in b and s > 0 and b[s]})  # step 0: the initial weights only
+    steps, mean, std = mean_band(rels)
+    return steps, mean, std, len(rels)
+
+
+@dataclass
+class TrainingGap:
+    """The paired relative gap to the reference at a few steps across training."""
+
+    steps: list[int]
+    rel_pct: dict[str, list[float | None]]  # group -> mean over seeds at each step
+
+
+def gap_over_training(rep: Report, fractions: tuple[float, ...] = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0)
+                      ) -> TrainingGap | None:
+    """Each group's gap (rel_curves) at the evaluated steps nearest to `fractions` of training:
+    whether a gap is closing, steady or opening when training stops."""
+    rows = {g.group.name: dict(zip(*rel_curves(rep, g)[:2], strict=True))
+            for g in rep.groups if g is not rep.baseline}
+    rows = {name: row for name, row in rows.items() if row}
+    if not rows:
+        return None
+    evaluated = sorted(set().union(*rows.values()))
+    last = evaluated[-1]
+    steps = sorted({min(evaluated, key=lambda s: abs(s - f * last)) for f in fractions})
+    return TrainingGap(steps, {name: [row.get(s) for s in steps] for name, row in rows.items()})
+
+
 def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
     """The secondary test: per window, the difference averaged over seeds, tested over windows."""
     win = [(r.windows, b.windows) for r, b in pairs if r.windows and b.windows
