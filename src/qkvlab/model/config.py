@@ -37,6 +37,15 @@ ATTN_IMPLS: tuple[str, ...] = ("sdpa", "eager")
 ATTN_SCALE_RULES: tuple[str, ...] = ("paper", "standard", "matched", "learned")
 
 
+def _need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise QkvlabError(f"invalid model config: {msg}")
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 @dataclass
 class ModelConfig:
     """Shape and layout of a GPT (causal) or encoder (bidirectional) transformer."""
@@ -134,79 +143,75 @@ class ModelConfig:
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise QkvlabError(f"invalid model config: {msg}")
+        """Refuse a config no model can be built from, with one line naming the fix."""
+        self._check_sizes()
+        self._check_choices()
+        self._resolve_attn_scale()
+        self._check_shapes()
 
+    def _check_sizes(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
-            need(
-                isinstance(value, int) and not isinstance(value, bool) and value > 0,
-                f"{name} must be a positive integer, got {value!r}",
-            )
+            _need(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
         for name in ("n_kv_head", "head_dim", "mlp_hidden"):
             value = getattr(self, name)
-            need(
-                value is None or (isinstance(value, int) and not isinstance(value, bool)
-                                  and value > 0),
-                f"{name} must be a positive integer or unset, got {value!r}",
-            )
-        need(self.n_layer <= 1024 and self.n_embd <= 65536 and self.block_size <= 1 << 20,
-             f"sizes are absurd (n_layer={self.n_layer}, n_embd={self.n_embd}, "
-             f"block_size={self.block_size}); check the config")
-        need(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
-        need(0.0 < float(self.mlp_ratio) <= 64.0,
-             f"mlp_ratio must be in (0, 64], got {self.mlp_ratio!r}")
-        need(0.0 <= float(self.dropout) < 1.0, f"dropout must be in [0, 1), got {self.dropout!r}")
-        need(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
-        need(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
-        need(self.norm_eps is None or 0.0 < float(self.norm_eps) < 1.0,
-             f"norm_eps must be in (0, 1) or unset, got {self.norm_eps!r}")
-        for name, allowed in (
-            ("projection", PROJECTIONS),
-            ("activation", ACTIVATIONS),
-            ("mlp", MLPS),
-            ("norm", NORMS),
-            ("positions", POSITIONS),
-            ("residual", RESIDUALS),
-            ("attn_impl", ATTN_IMPLS),
-        ):
+            _need(value is None or _positive_int(value),
+                  f"{name} must be a positive integer or unset, got {value!r}")
+        _need(self.n_layer <= 1024 and self.n_embd <= 65536 and self.block_size <= 1 << 20,
+              f"sizes are absurd (n_layer={self.n_layer}, n_embd={self.n_embd}, "
+              f"block_size={self.block_size}); check the config")
+        _need(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
+        _need(0.0 < float(self.mlp_ratio) <= 64.0,
+              f"mlp_ratio must be in (0, 64], got {self.mlp_ratio!r}")
+        _need(0.0 <= float(self.dropout) < 1.0,
+              f"dropout must be in [0, 1), got {self.dropout!r}")
+        _need(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
+        _need(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
+        _need(self.norm_eps is None or 0.0 < float(self.norm_eps) < 1.0,
+              f"norm_eps must be in (0, 1) or unset, got {self.norm_eps!r}")
+
+    def _check_choices(self) -> None:
+        for name, allowed in (("projection", PROJECTIONS), ("activation", ACTIVATIONS),
+                              ("mlp", MLPS), ("norm", NORMS), ("positions", POSITIONS),
+                              ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS)):
             value = getattr(self, name)
-            need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+            _need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+    def _resolve_attn_scale(self) -> None:
+        rules = ", ".join(ATTN_SCALE_RULES)
         if self.attn_scale is None:  # configs written before the rules: absent meant "paper"
             self.attn_scale = "paper"
         if isinstance(self.attn_scale, str):
-            need(self.attn_scale in ATTN_SCALE_RULES,
-                 f"attn_scale={self.attn_scale!r} is not a number or one of "
-                 f"{', '.join(ATTN_SCALE_RULES)}")
-        else:
-            need(isinstance(self.attn_scale, int | float) and not isinstance(self.attn_scale, bool)
-                 and math.isfinite(self.attn_scale) and self.attn_scale > 0,
-                 f"attn_scale must be a number > 0 or one of {', '.join(ATTN_SCALE_RULES)}, "
-                 f"got {self.attn_scale!r}")
-            self.attn_scale = float(self.attn_scale)
+            _need(self.attn_scale in ATTN_SCALE_RULES,
+                  f"attn_scale={self.attn_scale!r} is not a number or one of {rules}")
+            return
+        _need(isinstance(self.attn_scale, int | float) and not isinstance(self.attn_scale, bool)
+              and math.isfinite(self.attn_scale) and self.attn_scale > 0,
+              f"attn_scale must be a number > 0 or one of {rules}, got {self.attn_scale!r}")
+        self.attn_scale = float(self.attn_scale)
 
+    def _check_shapes(self) -> None:
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd
-        need(self.head_dim is not None or d % h == 0,
-             f"n_embd ({d}) must be divisible by n_head ({h}) unless head_dim is set")
-        need(h % hkv == 0,
-             f"n_head ({h}) must be divisible by n_kv_head ({hkv}) for grouped-query attention")
+        _need(self.head_dim is not None or d % h == 0,
+              f"n_embd ({d}) must be divisible by n_head ({h}) unless head_dim is set")
+        _need(h % hkv == 0,
+              f"n_head ({h}) must be divisible by n_kv_head ({hkv}) for grouped-query attention")
         if self.projection in ("q-identity", "k-identity", "v-identity"):
             which = self.projection[0].upper()
-            need(h * dk == d,
-                 f"projection={self.projection} needs n_head * head_dim == n_embd "
-                 f"(the identity W_{which} is d x d), got {h} * {dk} != {d}")
+            _need(h * dk == d,
+                  f"projection={self.projection} needs n_head * head_dim == n_embd "
+                  f"(the identity W_{which} is d x d), got {h} * {dk} != {d}")
         if self.projection in ("k-identity", "v-identity"):
-            need(hkv == h,
-                 f"projection={self.projection} needs n_kv_head == n_head (under GQA only W_Q "
-                 f"is square), got n_kv_head={hkv}, n_head={h}")
+            _need(hkv == h,
+                  f"projection={self.projection} needs n_kv_head == n_head (under GQA only W_Q "
+                  f"is square), got n_kv_head={hkv}, n_head={h}")
         if self.projection == "nonlinear-q":
-            need(h * dk == d,
-                 f"projection=nonlinear-q needs n_head * head_dim == n_embd "
-                 f"(Q(X) = (X + f(X))/2), got {h} * {dk} != {d}")
-            need(d % 2 == 0, f"projection=nonlinear-q needs an even n_embd, got {d}")
+            _need(h * dk == d,
+                  f"projection=nonlinear-q needs n_head * head_dim == n_embd "
+                  f"(Q(X) = (X + f(X))/2), got {h} * {dk} != {d}")
+            _need(d % 2 == 0, f"projection=nonlinear-q needs an even n_embd, got {d}")
         if self.positions == "rope":
-            need(dk % 2 == 0, f"positions=rope needs an even head_dim, got {dk}")
+            _need(dk % 2 == 0, f"positions=rope needs an even head_dim, got {dk}")
 
     # ---- (de)serialisation --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
