@@ -104,42 +104,15 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
     if problem is not None:
         raise QkvlabError(f"cannot export as GPT-2: {problem}; no exact export exists (train "
                           "with a GPT-2-compatible config, see docs/hf.md)")
-    d, H, dk, Hkv = cfg.n_embd, cfg.n_head, cfg.d_head, cfg.kv_heads
+    d = cfg.n_embd
     sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     ref = sd["wte.weight"]
     zeros = lambda n: torch.zeros(n, dtype=ref.dtype)  # noqa: E731 - local shorthand
-    eye = torch.eye(d, dtype=ref.dtype)
-    # GPT-2 multiplies q.k by 1/sqrt(dk): the remaining factor r goes into a weight block.
-    r = cfg.scale * math.sqrt(dk)
     out: dict[str, torch.Tensor] = {}
     for i, block in model.layers():
-        j = 0 if cfg.share_layers else i
-        p, h = f"blocks.{j}.", f"h.{i}."
-        w = sd[p + "attn.in_proj.weight"].T  # (d, sum(sizes)): columns [q | k | v]
-        b = sd.get(p + "attn.in_proj.bias")
-        parts_w = dict(zip("qkv", w.split(block.attn.sizes, dim=1), strict=True))
-        parts_b = (dict(zip("qkv", b.split(block.attn.sizes), strict=True)) if b is not None
-                   else {n: None for n in "qkv"})
-        blocks_w, blocks_b = {}, {}
-        for n in "qkv":
-            if parts_w[n].shape[1] == 0:  # the identity projection of this scheme
-                blocks_w[n], blocks_b[n] = eye.clone(), zeros(d)
-            else:
-                bw = parts_w[n]
-                bb = parts_b[n] if parts_b[n] is not None else zeros(bw.shape[1])
-                if n in "kv":
-                    bw = _repeat_heads(bw, H, Hkv, dk)
-                    bb = _repeat_heads(bb, H, Hkv, dk)
-                blocks_w[n], blocks_b[n] = bw, bb
-        # the scale ratio rides on the identity block of q/k-identity (so an import can read
-        # the scale back off it), on the query block otherwise
-        carrier = "k" if cfg.projection == "k-identity" else "q"
-        ratio = _scale_ratio(r, sd.get(p + "attn.logit_gain"), dk)
-        if not isinstance(ratio, float) or ratio != 1.0:
-            blocks_w[carrier] = blocks_w[carrier] * ratio
-            blocks_b[carrier] = blocks_b[carrier] * ratio
-        out[h + "attn.c_attn.weight"] = torch.cat([blocks_w[n] for n in "qkv"], dim=1)
-        out[h + "attn.c_attn.bias"] = torch.cat([blocks_b[n] for n in "qkv"])
+        p, h = f"blocks.{0 if cfg.share_layers else i}.", f"h.{i}."
+        out[h + "attn.c_attn.weight"], out[h + "attn.c_attn.bias"] = _c_attn(
+            cfg, block.attn.sizes, sd, p)
         out[h + "attn.c_proj.weight"] = sd[p + "attn.out_proj.weight"].T
         out[h + "attn.c_proj.bias"] = sd.get(p + "attn.out_proj.bias", zeros(d))
         out[h + "mlp.c_fc.weight"] = sd[p + "mlp.fc_in.weight"].T
@@ -156,16 +129,53 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
     tensors = {_hf_name(k): v.contiguous().clone() for k, v in out.items()}
     if not cfg.tie_embeddings:
         tensors["lm_head.weight"] = sd["lm_head.weight"].contiguous().clone()
+    return _gpt2_config(cfg, ref.dtype, eot_token, extra), tensors
 
+
+def _c_attn(cfg: ModelConfig, sizes: list[int], sd: dict[str, torch.Tensor],
+            p: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-2's fused (d, 3d) query/key/value weight and bias for block prefix `p`: identity
+    blocks for the dropped projection, K/V heads repeated under GQA, and the scale ratio r
+    (GPT-2 multiplies q.k by 1/sqrt(dk); r = scale * sqrt(dk)) folded into one block."""
+    d, dk, dtype = cfg.n_embd, cfg.d_head, sd["wte.weight"].dtype
+    w = sd[p + "attn.in_proj.weight"].T  # (d, sum(sizes)): columns [q | k | v]
+    b = sd.get(p + "attn.in_proj.bias")
+    parts_w = dict(zip("qkv", w.split(sizes, dim=1), strict=True))
+    parts_b = (dict(zip("qkv", b.split(sizes), strict=True)) if b is not None
+               else {n: None for n in "qkv"})
+    blocks_w, blocks_b = {}, {}
+    for n in "qkv":
+        if parts_w[n].shape[1] == 0:  # the identity projection of this scheme
+            blocks_w[n], blocks_b[n] = torch.eye(d, dtype=dtype), torch.zeros(d, dtype=dtype)
+            continue
+        bw = parts_w[n]
+        bb = parts_b[n] if parts_b[n] is not None else torch.zeros(bw.shape[1], dtype=dtype)
+        if n in "kv":
+            bw = _repeat_heads(bw, cfg.n_head, cfg.kv_heads, dk)
+            bb = _repeat_heads(bb, cfg.n_head, cfg.kv_heads, dk)
+        blocks_w[n], blocks_b[n] = bw, bb
+    # the scale ratio rides on the identity block of q/k-identity (so an import can read the
+    # scale back off it), on the query block otherwise
+    carrier = "k" if cfg.projection == "k-identity" else "q"
+    ratio = _scale_ratio(cfg.scale * math.sqrt(dk), sd.get(p + "attn.logit_gain"), dk)
+    if not isinstance(ratio, float) or ratio != 1.0:
+        blocks_w[carrier] = blocks_w[carrier] * ratio
+        blocks_b[carrier] = blocks_b[carrier] * ratio
+    return (torch.cat([blocks_w[n] for n in "qkv"], dim=1),
+            torch.cat([blocks_b[n] for n in "qkv"]))
+
+
+def _gpt2_config(cfg: ModelConfig, dtype: torch.dtype, eot_token: int | None,
+                 extra: dict[str, Any] | None) -> dict[str, Any]:
     p_drop = float(cfg.dropout)
-    config: dict[str, Any] = {
+    return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "vocab_size": cfg.vocab_size,
         "n_positions": cfg.block_size,
-        "n_embd": d,
+        "n_embd": cfg.n_embd,
         "n_layer": cfg.n_layer,
-        "n_head": H,
+        "n_head": cfg.n_head,
         "n_inner": cfg.hidden,
         "activation_function": ACT_TO_HF[cfg.activation],
         "resid_pdrop": p_drop,
@@ -182,10 +192,9 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
         # GPT2Config defaults these to 50256: wrong (out of range) for other vocabularies
         "bos_token_id": eot_token,
         "eos_token_id": eot_token,
-        "torch_dtype": str(ref.dtype).removeprefix("torch."),
+        "torch_dtype": str(dtype).removeprefix("torch."),
         QKVLAB_KEY: {"version": __version__, "model": cfg.to_dict(), **(extra or {})},
     }
-    return config, tensors
 
 
 # ---- import -----------------------------------------------------------------------------------
