@@ -425,47 +425,65 @@ def _tied_head_hypothesis(sd: dict[str, torch.Tensor], norm: bool, B1: torch.Ten
 def _apply(model: GPT, plan: _Plan, to: str, dtype: torch.dtype | None) -> GPT:
     cfg = model.cfg
     sd = {k: v.detach().to("cpu", F64).clone() for k, v in model.state_dict().items()}
-    which, norm = plan.which, cfg.norm != "none"
-    eye = torch.eye(cfg.n_embd, dtype=F64)
-
     for i, blk in enumerate(plan.blocks):
-        p = f"blocks.{i}."
-        a, b_in, b_next = plan.A[i], plan.B[i], plan.B_next[i]
-        kept = [n for n in "qkv" if n != which]
-        # Section 1: u' = u W_X, so each kept projection becomes W_X^-1 W_P.
-        new_w = torch.cat([torch.linalg.solve(a, blk.P[n]) for n in kept], dim=1)
-        sd[p + "attn.in_proj.weight"] = _linear(new_w)
-        if blk.b["q"] is not None:
-            sd[p + "attn.in_proj.bias"] = torch.cat([blk.b[n] for n in kept])
-        b_o = blk.bO
-        if which == "v" and blk.b["v"] is not None:
-            b_o = b_o + blk.b["v"] @ blk.WO
-        # The attention output joins the stream (basis b_in) when a skip adds it there.
-        o = b_in if cfg.residual in ("full", "attention") else eye
-        sd[p + "attn.out_proj.weight"] = _linear(blk.WO @ o)
-        if b_o is not None:
-            sd[p + "attn.out_proj.bias"] = b_o @ o
-        if norm:
-            sd[p + "norm1.weight"] = plan.g1_new[i]
-            if blk.beta1 is not None:
-                sd[p + "norm1.bias"] = blk.beta1 @ a
-            # Fold norm2's gain (and bias) into W_1 (and b_1): gamma' = 1, beta' = 0.
-            w1 = torch.linalg.solve(o, blk.g2[:, None] * blk.W1)
-            b1 = blk.b1
-            if blk.beta2 is not None:
-                b1 = b1 + blk.beta2 @ blk.W1
-                sd[p + "norm2.bias"] = torch.zeros_like(blk.beta2)
-            sd[p + "norm2.weight"] = torch.ones_like(blk.g2)
-        else:
-            w1 = blk.W1 if o is eye else torch.linalg.solve(o, blk.W1)
-            b1 = blk.b1
-        sd[p + "mlp.fc_in.weight"] = _linear(w1)
-        if b1 is not None:
-            sd[p + "mlp.fc_in.bias"] = b1
-        sd[p + "mlp.fc_out.weight"] = _linear(blk.W2 @ b_next)
-        if blk.b2 is not None:
-            sd[p + "mlp.fc_out.bias"] = blk.b2 @ b_next
+        _apply_block(sd, cfg, plan, i, blk)
+    _apply_ends(sd, cfg, plan)
+    new_cfg = dataclasses.replace(cfg, projection=to, attn_scale=cfg.scale)
+    ref = next(model.parameters())
+    target = ref.dtype if dtype is None else dtype
+    # Cast before loading: load_state_dict copies into the existing (float32) tensors.
+    new = GPT(new_cfg).to(dtype=target)
+    new.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=True)
+    new.to(device=ref.device)
+    new.train(model.training)
+    return new
 
+
+def _apply_block(sd: dict[str, torch.Tensor], cfg: ModelConfig, plan: _Plan, i: int,
+                 blk: _Block) -> None:
+    """Block i's weights in the new basis (float64, in place in `sd`)."""
+    p, which = f"blocks.{i}.", plan.which
+    a, b_in, b_next = plan.A[i], plan.B[i], plan.B_next[i]
+    eye = torch.eye(cfg.n_embd, dtype=F64)
+    kept = [n for n in "qkv" if n != which]
+    # Section 1: u' = u W_X, so each kept projection becomes W_X^-1 W_P.
+    new_w = torch.cat([torch.linalg.solve(a, blk.P[n]) for n in kept], dim=1)
+    sd[p + "attn.in_proj.weight"] = _linear(new_w)
+    if blk.b["q"] is not None:
+        sd[p + "attn.in_proj.bias"] = torch.cat([blk.b[n] for n in kept])
+    b_o = blk.bO
+    if which == "v" and blk.b["v"] is not None:
+        b_o = b_o + blk.b["v"] @ blk.WO
+    # The attention output joins the stream (basis b_in) when a skip adds it there.
+    o = b_in if cfg.residual in ("full", "attention") else eye
+    sd[p + "attn.out_proj.weight"] = _linear(blk.WO @ o)
+    if b_o is not None:
+        sd[p + "attn.out_proj.bias"] = b_o @ o
+    if cfg.norm != "none":
+        sd[p + "norm1.weight"] = plan.g1_new[i]
+        if blk.beta1 is not None:
+            sd[p + "norm1.bias"] = blk.beta1 @ a
+        # Fold norm2's gain (and bias) into W_1 (and b_1): gamma' = 1, beta' = 0.
+        w1 = torch.linalg.solve(o, blk.g2[:, None] * blk.W1)
+        b1 = blk.b1
+        if blk.beta2 is not None:
+            b1 = b1 + blk.beta2 @ blk.W1
+            sd[p + "norm2.bias"] = torch.zeros_like(blk.beta2)
+        sd[p + "norm2.weight"] = torch.ones_like(blk.g2)
+    else:
+        w1 = blk.W1 if o is eye else torch.linalg.solve(o, blk.W1)
+        b1 = blk.b1
+    sd[p + "mlp.fc_in.weight"] = _linear(w1)
+    if b1 is not None:
+        sd[p + "mlp.fc_in.bias"] = b1
+    sd[p + "mlp.fc_out.weight"] = _linear(blk.W2 @ b_next)
+    if blk.b2 is not None:
+        sd[p + "mlp.fc_out.bias"] = blk.b2 @ b_next
+
+
+def _apply_ends(sd: dict[str, torch.Tensor], cfg: ModelConfig, plan: _Plan) -> None:
+    """The embeddings into the first block's basis, the final norm and head out of the last."""
+    norm, eye = cfg.norm != "none", torch.eye(cfg.n_embd, dtype=F64)
     b1_basis, bf = plan.B[0], plan.B_final
     sd["wte.weight"] = sd["wte.weight"] @ b1_basis
     if "wpe.weight" in sd:
@@ -478,31 +496,21 @@ def _apply(model: GPT, plan: _Plan, to: str, dtype: torch.dtype | None) -> GPT:
             sd["norm_f.weight"] = torch.diagonal(G).clone()
             if "norm_f.bias" in sd:
                 sd["norm_f.bias"] = torch.linalg.solve(b1_basis, sd["norm_f.bias"])
-    else:
-        u = _paper(sd["lm_head.weight"])  # (d, V)
-        if norm:
-            gf = sd["norm_f.weight"]
-            if "norm_f.bias" in sd:
-                beta = sd["norm_f.bias"]
-                if bool((beta != 0).any()) and not bool((gf != 0).all()):
-                    raise QkvlabError("the final norm has a zero gain and a nonzero bias: its "
-                                      "bias cannot be moved into the head")
-                sd["norm_f.bias"] = (beta / gf) @ bf if bool((beta != 0).any()) else beta
-            u = torch.linalg.solve(bf, gf[:, None] * u)
-            sd["norm_f.weight"] = torch.ones_like(gf)
-        elif not torch.equal(bf, eye):
-            u = torch.linalg.solve(bf, u)
-        sd["lm_head.weight"] = _linear(u)
-
-    new_cfg = dataclasses.replace(cfg, projection=to, attn_scale=cfg.scale)
-    ref = next(model.parameters())
-    target = ref.dtype if dtype is None else dtype
-    # Cast before loading: load_state_dict copies into the existing (float32) tensors.
-    new = GPT(new_cfg).to(dtype=target)
-    new.load_state_dict({k: v.to(target) for k, v in sd.items()}, strict=True)
-    new.to(device=ref.device)
-    new.train(model.training)
-    return new
+        return
+    u = _paper(sd["lm_head.weight"])  # (d, V)
+    if norm:
+        gf = sd["norm_f.weight"]
+        if "norm_f.bias" in sd:
+            beta = sd["norm_f.bias"]
+            if bool((beta != 0).any()) and not bool((gf != 0).all()):
+                raise QkvlabError("the final norm has a zero gain and a nonzero bias: its "
+                                  "bias cannot be moved into the head")
+            sd["norm_f.bias"] = (beta / gf) @ bf if bool((beta != 0).any()) else beta
+        u = torch.linalg.solve(bf, gf[:, None] * u)
+        sd["norm_f.weight"] = torch.ones_like(gf)
+    elif not torch.equal(bf, eye):
+        u = torch.linalg.solve(bf, u)
+    sd["lm_head.weight"] = _linear(u)
 
 
 def convert(model: GPT, to: str = "q-identity", *, cond_limit: float = 1e8, tol: float = 1e-8,
