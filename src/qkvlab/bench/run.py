@@ -305,14 +305,27 @@ def bench_training(s: Settings, configs: dict[str, ModelConfig], peak: Peak,
 
 def bench_inference(s: Settings, configs: dict[str, ModelConfig],
                     console: Console) -> dict[str, dict[str, Any]]:
-    B, n = s.infer_batch_size, s.decode_tokens
     # generate() of gen_tokens new tokens should measure the cache against recomputing the whole
     # prefix, not the sliding window past block_size: give the inference models room for it
     # (a longer learned-position table; every other weight and the per-token cost are the same).
     configs = {name: replace(cfg, block_size=max(cfg.block_size, 1 + s.gen_tokens))
                for name, cfg in configs.items()}
-    benches = {name: InferenceBench(cfg, B, s.device, s.dtype, s.compile)
+    benches = {name: InferenceBench(cfg, s.infer_batch_size, s.device, s.dtype, s.compile)
                for name, cfg in configs.items()}
+    times = _time_steps(s, benches, console)
+    gen = _time_generate(s, benches, console) if s.gen_tokens else {}
+    out = {name: _inference_entry(s, bench, times[name], gen.get(name),
+                                  configs[name].block_size)
+           for name, bench in benches.items()}
+    benches.clear()
+    _free(s.device)
+    return out
+
+
+def _time_steps(s: Settings, benches: dict[str, InferenceBench],
+                console: Console) -> dict[str, dict[str, dict[int, list[float]]]]:
+    """Seconds of prefill, cached decode and recomputing decode, per scheme, kind and context."""
+    B, n = s.infer_batch_size, s.decode_tokens
     # Warm-up runs every timed workload once: CPU backends (oneDNN) build a kernel per new
     # matrix shape (~0.5 ms per linear here), and decoding at a new length is a new shape; a
     # first-seen shape would bill that one-time cost to whichever repeat met it first.
@@ -323,10 +336,9 @@ def bench_inference(s: Settings, configs: dict[str, ModelConfig],
             bench.prefill(c)
             bench.decode_cached(c, n)
             bench.decode_recompute(c, n)
-
     times: dict[str, dict[str, dict[int, list[float]]]] = {
         name: {kind: {c: [] for c in s.contexts} for kind in ("prefill", "cached", "recompute")}
-        for name in configs}
+        for name in benches}
     for r in range(s.repeats):
         for name, bench in benches.items():
             for c in s.contexts:
@@ -336,58 +348,59 @@ def bench_inference(s: Settings, configs: dict[str, ModelConfig],
         c = max(s.contexts)
         console.print(f"[dim]inference repeat {r + 1}/{s.repeats}: decode @{c} " + ", ".join(
             f"{name} {B / times[name]['cached'][c][-1]:,.0f} tok/s" for name in benches))
+    return times
 
+
+def _time_generate(s: Settings, benches: dict[str, InferenceBench],
+                   console: Console) -> dict[str, dict[str, list[float]]]:
+    """Seconds of generate() with and without the KV cache, per scheme."""
     gen: dict[str, dict[str, list[float]]] = {name: {"cached": [], "recompute": []}
-                                              for name in configs}
-    if s.gen_tokens:
-        console.print(f"[dim]generate: one untimed run per scheme and mode first "
-                      f"({s.gen_tokens} tokens, the uncached one is slow)")
-        for bench in benches.values():  # same reason as above: first-seen shapes cost extra
-            bench.generate(s.gen_tokens, use_cache=True)
-            bench.generate(s.gen_tokens, use_cache=False)
-        for r in range(s.gen_repeats):
-            for name, bench in benches.items():
-                gen[name]["cached"].append(bench.generate(s.gen_tokens, use_cache=True))
-                gen[name]["recompute"].append(bench.generate(s.gen_tokens, use_cache=False))
-            ratios = {name: g["recompute"][-1] / g["cached"][-1] for name, g in gen.items()}
-            console.print(f"[dim]generate repeat {r + 1}/{s.gen_repeats}: {s.gen_tokens} tokens, "
-                          + ", ".join(f"{name} cache x{x:.1f}" for name, x in ratios.items()))
+                                              for name in benches}
+    console.print(f"[dim]generate: one untimed run per scheme and mode first "
+                  f"({s.gen_tokens} tokens, the uncached one is slow)")
+    for bench in benches.values():  # first-seen shapes cost extra, as in _time_steps
+        bench.generate(s.gen_tokens, use_cache=True)
+        bench.generate(s.gen_tokens, use_cache=False)
+    for r in range(s.gen_repeats):
+        for name, bench in benches.items():
+            gen[name]["cached"].append(bench.generate(s.gen_tokens, use_cache=True))
+            gen[name]["recompute"].append(bench.generate(s.gen_tokens, use_cache=False))
+        ratios = {name: g["recompute"][-1] / g["cached"][-1] for name, g in gen.items()}
+        console.print(f"[dim]generate repeat {r + 1}/{s.gen_repeats}: {s.gen_tokens} tokens, "
+                      + ", ".join(f"{name} cache x{x:.1f}" for name, x in ratios.items()))
+    return gen
 
-    out: dict[str, dict[str, Any]] = {}
-    for name, bench in benches.items():
-        t = times[name]
-        per_ctx: dict[str, Any] = {}
-        for c in s.contexts:
-            cached, recompute = Spread.of(t["cached"][c]), Spread.of(t["recompute"][c])
-            per_ctx[str(c)] = {
-                "prefill_tokens_per_s": B * c / Spread.of(t["prefill"][c]).median,
-                "decode_tokens_per_s": B / cached.median,
-                "decode_no_cache_tokens_per_s": B / recompute.median,
-                "cache_speedup": recompute.median / cached.median,
-                "decode_step_s": cached.as_dict(),
-                "decode_no_cache_step_s": recompute.as_dict(),
-            }
-        entry: dict[str, Any] = {
-            "batch_size": B,
-            "kv_bytes_per_token": bench.kv_bytes_per_token,
-            "contexts": per_ctx,
+
+def _inference_entry(s: Settings, bench: InferenceBench, t: dict[str, dict[int, list[float]]],
+                     gen: dict[str, list[float]] | None, block_size: int) -> dict[str, Any]:
+    """One scheme's inference results: throughput per context, cache speed-up, generate()."""
+    B = s.infer_batch_size
+    per_ctx: dict[str, Any] = {}
+    for c in s.contexts:
+        cached, recompute = Spread.of(t["cached"][c]), Spread.of(t["recompute"][c])
+        per_ctx[str(c)] = {
+            "prefill_tokens_per_s": B * c / Spread.of(t["prefill"][c]).median,
+            "decode_tokens_per_s": B / cached.median,
+            "decode_no_cache_tokens_per_s": B / recompute.median,
+            "cache_speedup": recompute.median / cached.median,
+            "decode_step_s": cached.as_dict(),
+            "decode_no_cache_step_s": recompute.as_dict(),
         }
-        if s.gen_tokens:
-            cached, recompute = Spread.of(gen[name]["cached"]), Spread.of(gen[name]["recompute"])
-            entry["generate"] = {
-                "new_tokens": s.gen_tokens,
-                "prompt_tokens": 1,
-                "block_size": configs[name].block_size,
-                "cached_s": cached.as_dict(),
-                "no_cache_s": recompute.as_dict(),
-                "cached_tokens_per_s": B * s.gen_tokens / cached.median,
-                "no_cache_tokens_per_s": B * s.gen_tokens / recompute.median,
-                "cache_speedup": recompute.median / cached.median,
-            }
-        out[name] = entry
-    benches.clear()
-    _free(s.device)
-    return out
+    entry: dict[str, Any] = {"batch_size": B, "kv_bytes_per_token": bench.kv_bytes_per_token,
+                             "contexts": per_ctx}
+    if gen is not None:
+        cached, recompute = Spread.of(gen["cached"]), Spread.of(gen["recompute"])
+        entry["generate"] = {
+            "new_tokens": s.gen_tokens,
+            "prompt_tokens": 1,
+            "block_size": block_size,
+            "cached_s": cached.as_dict(),
+            "no_cache_s": recompute.as_dict(),
+            "cached_tokens_per_s": B * s.gen_tokens / cached.median,
+            "no_cache_tokens_per_s": B * s.gen_tokens / recompute.median,
+            "cache_speedup": recompute.median / cached.median,
+        }
+    return entry
 
 
 def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
