@@ -168,24 +168,10 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
     parsed = parse_overrides(overrides or [])
     model = ModelConfig.from_dict({**spec.model, **parsed}, where="bench --set")
 
-    names = [s.strip() for s in schemes.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCHEMES]
-    if unknown or not names:
-        raise QkvlabError(f"unknown scheme(s) {', '.join(unknown) or '(none)'}; "
-                          f"choose from {', '.join(SCHEMES)}")
-    if len(set(names)) != len(names):
-        raise QkvlabError(f"--schemes lists a scheme twice: {schemes}")
-    for s in names:  # config errors (e.g. nonlinear-q with an odd width) now, not mid-run
-        scheme_config(model, s)
-
+    names = _scheme_names(schemes, model)
     if dtype not in DTYPES:
         raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    wanted = device or "auto"
-    if wanted == "auto":
-        wanted = "cuda" if torch.cuda.is_available() else "cpu"
-    if wanted.startswith("cuda") and not torch.cuda.is_available():
-        raise QkvlabError("--device cuda, but torch sees no CUDA device")
-    dev = torch.device(wanted)
+    dev = _device(device)
     compile_ = dev.type == "cuda" if compile is None else bool(compile)
 
     # None means "not given": 0 must stay 0
@@ -218,6 +204,28 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
         peak_flops=peak_tflops * 1e12 if peak_tflops else None, peak_sizes=spec.peak_sizes,
         overrides=parsed, keep_freed_memory=keep_freed_memory,
     )
+
+
+def _scheme_names(schemes: str, model: ModelConfig) -> list[str]:
+    names = [s.strip() for s in schemes.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown or not names:
+        raise QkvlabError(f"unknown scheme(s) {', '.join(unknown) or '(none)'}; "
+                          f"choose from {', '.join(SCHEMES)}")
+    if len(set(names)) != len(names):
+        raise QkvlabError(f"--schemes lists a scheme twice: {schemes}")
+    for s in names:  # config errors (e.g. nonlinear-q with an odd width) now, not mid-run
+        scheme_config(model, s)
+    return names
+
+
+def _device(device: str | None) -> torch.device:
+    wanted = device or "auto"
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    if wanted.startswith("cuda") and not torch.cuda.is_available():
+        raise QkvlabError("--device cuda, but torch sees no CUDA device")
+    return torch.device(wanted)
 
 
 def machine_info(s: Settings) -> dict[str, Any]:
