@@ -133,17 +133,7 @@ def retrofit_checkpoint(
         calib = (data.train_batch(CALIB_STEP_OFFSET + i, 0, hc.batch_size, block, hc.seed)[0]
                  for i in range(max(calib_batches, 1)))
         moments = attention_moments(teacher, calib)
-    other: dict[str, float | None] = {}
-    if compare_inits:
-        for name in INITS:
-            if name == init:
-                continue
-            try:
-                other[name] = val_loss(build_student(teacher, name, moments)[0])
-            except QkvlabError as exc:
-                other[name] = None
-                if log:
-                    log(f"  init {name}: not available ({exc})")
+    other = _other_inits(teacher, init, moments, val_loss, log) if compare_inits else {}
     student, info = build_student(teacher, init, moments)
     if log:
         log(f"original val loss {before:.4f}; init {init}: {info.note}")
@@ -155,6 +145,22 @@ def retrofit_checkpoint(
     if dest is not None:
         write_retrofit(dest, student, ckpt, report, data_cfg)
     return report
+
+
+def _other_inits(teacher: GPT, init: str, moments: Any, val_loss: Callable[[GPT], float],
+                 log: Callable[[str], None] | None) -> dict[str, float | None]:
+    """The val loss right after conversion with each init but `init` (None: not available)."""
+    other: dict[str, float | None] = {}
+    for name in INITS:
+        if name == init:
+            continue
+        try:
+            other[name] = val_loss(build_student(teacher, name, moments)[0])
+        except QkvlabError as exc:
+            other[name] = None
+            if log:
+                log(f"  init {name}: not available ({exc})")
+    return other
 
 
 def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport,
