@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -32,20 +34,9 @@ def test_sign_test_floor():
     assert sign_test_floor(3) == 0.25 and sign_test_floor(6) < 0.05 < sign_test_floor(5)
 
 
-def test_a_sweep_over_widths_reports_the_gap_against_width(tmp_path, data_dir):
-    import json
-
-    from conftest import tiny_config
-    from qkvlab.cli import main
-    from qkvlab.run.config import save_config
-
-    save_config(tiny_config(data_dir, "model.n_layer=1", "model.n_embd=16", "train.max_steps=4",
-                            "train.eval_interval=2", "train.eval_windows=4",
-                            "train.ckpt_interval=4"), tmp_path / "base.toml")
-    spec = tmp_path / "w.toml"
-    spec.write_text("""
+SPEC_HEAD = """
 [spec]
-name = "w"
+name = "trend"
 base = "base.toml"
 seeds = [1, 2]
 
@@ -55,37 +46,14 @@ baseline = true
 rule = "baseline"
 
 [[variant]]
-name = "baseline-wide"
-family = "baseline"
-rule = "baseline"
-n_embd = 32
-
-[[variant]]
 name = "qid"
 rule = "q-identity"
-
-[[variant]]
-name = "qid-wide"
-family = "qid"
-rule = "q-identity"
-n_embd = 32
-""", encoding="utf-8")
-    out, rep = tmp_path / "sw", tmp_path / "rep"
-    assert main(["sweep", str(spec), "--out", str(out)]) == 0
-    assert main(["report", str(out), "--out", str(rep)]) == 0
-    data = json.loads((rep / "report.json").read_text())
-    gaps = {(g["family"], g["width"]): g for g in data["width_gaps"]}
-    assert set(gaps) == {("qid", 16), ("qid", 32)}
-    assert gaps[("qid", 32)]["reference"] == "baseline-wide"  # its own width's baseline
-    assert gaps[("qid", 16)]["reference"] == "baseline" and gaps[("qid", 16)]["n"] == 2
-    text = (rep / "report.md").read_text()
-    assert "## Gap to the baseline against width" in text and "gap_vs_width.png" in text
-    assert (rep / "gap_vs_width.png").stat().st_size > 5_000
-    assert "p (Holm)" in text and "sign test over 2 seeds cannot go below p = 0.5" in text
+"""
 
 
-def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_lr(
-        tmp_path, data_dir):
+def sweep_report(tmp_path, data_dir, variants: str) -> tuple[dict, str, Path]:
+    """A 2-seed, 4-step sweep of SPEC_HEAD's two variants plus `variants`, and its report:
+    (report.json, report.md, the report folder)."""
     import json
 
     from conftest import tiny_config
@@ -95,18 +63,40 @@ def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_l
     save_config(tiny_config(data_dir, "model.n_layer=1", "model.n_embd=16", "train.max_steps=4",
                             "train.eval_interval=2", "train.eval_windows=4",
                             "train.ckpt_interval=4", "optim.lr=1e-3"), tmp_path / "base.toml")
-    spec = tmp_path / "lr.toml"
-    spec.write_text("""
-[spec]
-name = "lr"
-base = "base.toml"
-seeds = [1, 2]
+    spec = tmp_path / "trend.toml"
+    spec.write_text(SPEC_HEAD + variants, encoding="utf-8")
+    out, rep = tmp_path / "sw", tmp_path / "rep"
+    assert main(["sweep", str(spec), "--out", str(out)]) == 0
+    assert main(["report", str(out), "--out", str(rep)]) == 0
+    return json.loads((rep / "report.json").read_text()), (rep / "report.md").read_text(), rep
+
+
+def test_a_sweep_over_widths_reports_the_gap_against_width(tmp_path, data_dir):
+    data, text, rep = sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "baseline-wide"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
 
 [[variant]]
-name = "baseline"
-baseline = true
-rule = "baseline"
+name = "qid-wide"
+family = "qid"
+rule = "q-identity"
+n_embd = 32
+""")
+    gaps = {(g["family"], g["width"]): g for g in data["width_gaps"]}
+    assert set(gaps) == {("qid", 16), ("qid", 32)}
+    assert gaps[("qid", 32)]["reference"] == "baseline-wide"  # its own width's baseline
+    assert gaps[("qid", 16)]["reference"] == "baseline" and gaps[("qid", 16)]["n"] == 2
+    assert "## Gap to the baseline against width" in text and "gap_vs_width.png" in text
+    assert (rep / "gap_vs_width.png").stat().st_size > 5_000
+    assert "p (Holm)" in text and "sign test over 2 seeds cannot go below p = 0.5" in text
 
+
+def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_lr(
+        tmp_path, data_dir):
+    data, text, rep = sweep_report(tmp_path, data_dir, """
 [[variant]]
 name = "baseline-lr"
 family = "baseline"
@@ -114,25 +104,16 @@ rule = "baseline"
 grid = { lr = [0.004] }
 
 [[variant]]
-name = "qid"
-rule = "q-identity"
-
-[[variant]]
 name = "qid-lr"
 family = "qid"
 rule = "q-identity"
 grid = { lr = [0.004] }
-""", encoding="utf-8")
-    out, rep = tmp_path / "sw", tmp_path / "rep"
-    assert main(["sweep", str(spec), "--out", str(out)]) == 0
-    assert main(["report", str(out), "--out", str(rep)]) == 0
-    data = json.loads((rep / "report.json").read_text())
+""")
     assert data["width_gaps"] == []  # one width: no width trend
     gaps = {(g["family"], g["lr"]): g for g in data["lr_gaps"]}
     assert set(gaps) == {("qid", 0.001), ("qid", 0.004)}
     assert gaps[("qid", 0.004)]["reference"] == "baseline-lr.lr0.004"  # the baseline at its lr
     assert gaps[("qid", 0.001)]["reference"] == "baseline" and gaps[("qid", 0.001)]["n"] == 2
-    text = (rep / "report.md").read_text()
     assert "## Gap to the baseline against lr" in text and "gap_vs_lr.png" in text
     assert "against width" not in text
     assert (rep / "gap_vs_lr.png").stat().st_size > 5_000
