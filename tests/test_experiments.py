@@ -476,3 +476,22 @@ def test_jobs_trains_runs_in_parallel_with_the_same_results(data_dir, tmp_path, 
     assert main(["sweep", str(spec), "--out", str(parallel), "--jobs", "0"]) == 2
     assert main(["sweep", str(spec), "--out", str(parallel), "--jobs", "2", "--launcher",
                  "python"]) == 2
+
+
+def test_archive_finished_leaves_out_runs_still_training(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "specs", data_dir)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out), "--only", "baseline"]) == 0
+    # a run stopped by a signal, as a sweep still training leaves one behind
+    stopped = out / "baseline" / "seed-2" / "summary.json"
+    stopped.write_text(stopped.read_text().replace('"interrupted": false',
+                                                   '"interrupted": true'), encoding="utf-8")
+    capsys.readouterr()
+    dest = tmp_path / "archived"
+    assert main(["archive", str(out), str(dest), "--finished"]) == 0
+    said = capsys.readouterr().out
+    assert "records of 1 runs" in said and "left out 1 unfinished run(s)" in said
+    assert (dest / "baseline" / "seed-1" / "metrics.jsonl").is_file()
+    assert not (dest / "baseline" / "seed-2").exists()
+    assert main(["archive", str(out), str(dest)]) == 0  # without --finished: every run
+    assert (dest / "baseline" / "seed-2" / "metrics.jsonl").is_file()

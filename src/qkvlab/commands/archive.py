@@ -11,6 +11,7 @@ from qkvlab.commands.common import Subparsers, register
 class ArchiveOptions:
     sweep_dir: str
     dest: str
+    finished: bool = False
 
 
 def run_archive(opts: ArchiveOptions) -> int:
@@ -20,8 +21,9 @@ def run_archive(opts: ArchiveOptions) -> int:
     from qkvlab.experiments.archive import archive_sweep
 
     src, dest = Path(opts.sweep_dir), Path(opts.dest)
-    n = archive_sweep(src, dest)
-    print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)")
+    n, left = archive_sweep(src, dest, finished_only=opts.finished)
+    print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)"
+          + (f"; left out {left} unfinished run(s)" if left else ""))
     return 0
 
 
@@ -30,4 +32,7 @@ def add_parser(sub: Subparsers) -> None:
                                        "(to commit results)")
     p.add_argument("sweep_dir", help="the sweep folder")
     p.add_argument("dest", help="where the copy goes (created; existing records are replaced)")
+    p.add_argument("--finished", action="store_true",
+                   help="copy only the runs that reached max_steps (archive a sweep that is "
+                        "still training)")
     register(p, ArchiveOptions, run_archive)

@@ -3,7 +3,9 @@
 A finished CPU sweep is gigabytes of checkpoints but only a few hundred KB of records: the
 sweep's own files and each run's config, metrics, summary and (after `qkvlab report
 --per-window`) its per-window losses. `qkvlab report DEST --per-window` gives the same report
-from the copy, and `qkvlab sweep DEST` sees its finished runs as done.
+from the copy, and `qkvlab sweep DEST` sees its finished runs as done. With `finished_only`
+(`--finished`) a sweep still training is archived without its unfinished runs, so a grid that
+takes days can commit each run's records as it completes.
 """
 
 from __future__ import annotations
@@ -14,29 +16,39 @@ from pathlib import Path
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import WINDOW_FILE
 from qkvlab.experiments.sweep import SWEEP_FILE
+from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
+from qkvlab.run.records import is_finished, read_json_record
 
 SWEEP_RECORDS = (SWEEP_FILE, "spec.toml")
 RUN_RECORDS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
                REUSED_FILE)
 
 
-def archive_sweep(src: Path, dest: Path) -> int:
-    """Copy the records of sweep folder `src` into `dest`; returns the number of run folders."""
+def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[int, int]:
+    """Copy the records of sweep folder `src` into `dest`: (runs copied, unfinished runs left
+    out; 0 without `finished_only`)."""
     if not (src / SWEEP_FILE).is_file():
         raise QkvlabError(f"{src} is not a sweep folder (no {SWEEP_FILE}): pass the folder "
                           "`qkvlab sweep` wrote")
     if dest.resolve() == src.resolve():
         raise QkvlabError("the archive must go to another folder than the sweep itself")
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
+    kept = [r for r in runs if _finished(r)] if finished_only else runs
     for name in SWEEP_RECORDS:
         if (src / name).is_file():
             dest.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src / name, dest / name)
-    for run in runs:
+    for run in kept:
         target = dest / run.relative_to(src)
         target.mkdir(parents=True, exist_ok=True)
         for name in RUN_RECORDS:
             if (run / name).is_file():
                 shutil.copy2(run / name, target / name)
-    return len(runs)
+    return len(kept), len(runs) - len(kept)
+
+
+def _finished(run: Path) -> bool:
+    """The run's summary says it reached its config's max_steps."""
+    max_steps = load_config(run / CONFIG_FILE).train.max_steps
+    return is_finished(read_json_record(run / SUMMARY_FILE), max_steps)
