@@ -155,6 +155,15 @@ def test_shipped_specs_resolve():
     # The baseline is cpu-paper's, exactly: its finished runs can be copied across.
     paper_base = load_spec("cpu-paper").groups()[0]
     assert config_identity(nl["baseline"].config) == config_identity(paper_base.config)
+    # cpu-lr and cpu-width reuse cpu-paper's runs at lr 1e-3 and d = 256: same configs
+    paper = {g.name: config_identity(g.config) for g in load_spec("cpu-paper").groups()}
+    for name in ("cpu-lr", "cpu-width"):
+        groups = {g.name: g for g in load_spec(name).groups()}
+        for reused in ("baseline", "q-identity"):
+            assert config_identity(groups[reused].config) == paper[reused], (name, reused)
+    lr = load_spec("cpu-lr").groups()
+    assert sorted({g.config.optim.lr for g in lr}) == [5e-4, 1e-3, 2e-3]
+    assert all(g.config.optim.min_lr == pytest.approx(g.config.optim.lr / 10) for g in lr)
     wd = load_spec("cpu-wd-stability").groups()
     assert sorted(g.config.optim.weight_decay for g in wd if g.family == "q-identity") == \
         [0.0, 0.03125, 0.1, 0.3]
