@@ -17,9 +17,7 @@ from qkvlab.experiments.results import (
     GroupResult,
     Report,
     TrendAxis,
-    gap_over_training,
     grid_families,
-    setting_gaps,
 )
 from qkvlab.experiments.spec import Spec
 from qkvlab.experiments.stats import Summary, sign_test_floor
@@ -336,7 +334,7 @@ def _runs_table(rep: Report) -> list[str]:
 
 def _training_gap_section(rep: Report) -> list[str]:
     """The paired gap at a few steps: is it closing, steady or opening when training stops?"""
-    gap = gap_over_training(rep)
+    gap = rep.training_gap
     if gap is None:
         return []
     L = ["", "## The gap over training", "",
@@ -352,7 +350,7 @@ def _training_gap_section(rep: Report) -> list[str]:
 def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[str]:
     """The gap to the baseline at the same setting against a trend axis (width, learning
     rate), when the sweep spans it."""
-    gaps = setting_gaps(rep, axis)
+    gaps = rep.trend_gaps[axis.name]
     if not gaps:
         return []
     fam, short = rep.baseline.group.family, "d" if axis.name == "width" else axis.name

@@ -39,12 +39,10 @@ from qkvlab.experiments.results import (
     TREND_AXES,
     GroupResult,
     Report,
-    gap_over_training,
     grid_families,
     group_result,
     pair_with_reference,
     pick_reference,
-    setting_gaps,
 )
 from qkvlab.experiments.runs import find_seeds, per_window_losses, read_run
 from qkvlab.experiments.spec import Group, Spec, identity_diff
@@ -102,7 +100,7 @@ def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path) -> None:
 
 
 def _training_gap_json(rep: Report) -> dict[str, Any] | None:
-    gap = gap_over_training(rep)
+    gap = rep.training_gap
     return None if gap is None else {"steps": gap.steps, "relative_pct": gap.rel_pct}
 
 
@@ -122,7 +120,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
                                "reference": w.reference, "seeds": w.result.seeds,
                                **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,
                                "relative_ci_pct": list(w.result.rel_ci)}
-                              for w in setting_gaps(rep, a)]
+                              for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
         "runs": [r.as_dict() for r in rep.runs()],
     }
@@ -143,7 +141,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             plot_grid(rep, key, fams, out / name)
             plots[key] = name
     for axis in TREND_AXES:
-        gaps = setting_gaps(rep, axis)
+        gaps = rep.trend_gaps[axis.name]
         if gaps:
             name = f"gap_vs_{axis.name}.png"
             plot_gaps(gaps, axis, rep.baseline.group.family, out / name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +88,17 @@ class Report:
         """How the text names the reference of the paired tests: the spec's baseline, or the
         variant `--versus` chose."""
         return "the baseline" if self.baseline.group.baseline else self.baseline.group.name
+
+    # Derived once: the report's Markdown, JSON and plots all read them.
+    @cached_property
+    def training_gap(self) -> TrainingGap | None:
+        return gap_over_training(self)
+
+    @cached_property
+    def trend_gaps(self) -> dict[str, list[SettingGap]]:
+        """Per trend axis (TREND_AXES), the gaps at the same settings; [] when the sweep does
+        not span that axis."""
+        return {a.name: setting_gaps(self, a) for a in TREND_AXES}
 
 
 def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupResult:
