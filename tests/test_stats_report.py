@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,8 +55,6 @@ rule = "q-identity"
 def sweep_report(tmp_path, data_dir, variants: str) -> tuple[dict, str, Path]:
     """A 2-seed, 4-step sweep of SPEC_HEAD's two variants plus `variants`, and its report:
     (report.json, report.md, the report folder)."""
-    import json
-
     from conftest import tiny_config
     from qkvlab.cli import main
     from qkvlab.run.config import save_config
@@ -126,3 +125,19 @@ grid = { lr = [0.004] }
                for s in (1, 2)) / 2
     assert gap["relative_pct"]["qid"][-1] == pytest.approx(want)
     assert set(gap["relative_pct"]) == {"baseline-lr.lr0.004", "qid", "qid-lr.lr0.004"}
+
+    # fit: the training loss logged after 90% of the steps and the best validation loss, paired
+    def tail(group, seed):
+        rows = [json.loads(line) for line in
+                (tmp_path / "sw" / group / f"seed-{seed}" / "metrics.jsonl").open()]
+        losses = [r["loss"] for r in rows if "loss" in r and r["step"] > 0.9 * 4]
+        return sum(losses) / len(losses)
+
+    fit = {row["group"]: row for row in data["fit"]}
+    assert fit["qid"]["train_loss_tail"] == pytest.approx((tail("qid", 1) + tail("qid", 2)) / 2)
+    d = [tail("qid", s) - tail("baseline", s) for s in (1, 2)]
+    ref = (tail("baseline", 1) + tail("baseline", 2)) / 2
+    assert fit["qid"]["train_vs_reference"]["relative_pct"] == pytest.approx(50 * sum(d) / ref)
+    assert fit["baseline"]["train_vs_reference"] is None
+    assert all(r["best_val_loss"] <= r["final_val_loss"] for r in data["runs"])
+    assert "## Fit and generalisation" in text

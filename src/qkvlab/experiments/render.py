@@ -113,6 +113,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     if rep.per_window:
         L += _per_window_table(rep)
     L += _training_gap_section(rep)
+    L += _fit_section(rep)
     L += _curves(plots)
     for axis in TREND_AXES:
         L += _gap_section(rep, axis, plots)
@@ -344,6 +345,31 @@ def _training_gap_section(rep: Report) -> list[str]:
          "|---|" + "---:|" * len(gap.steps)]
     for name, row in gap.rel_pct.items():
         L.append(f"| {name} | " + " | ".join(_pct(v) for v in row) + " |")
+    return L
+
+
+def _fit_section(rep: Report) -> list[str]:
+    """Training loss and the best validation loss beside the final one: fitting or
+    generalisation, and whether early stopping would change the comparison."""
+    if not rep.fit:
+        return []
+    ref = rep.baseline.group.name
+    L = ["", "## Fit and generalisation", "",
+         "*train*: the mean training loss logged after 90% of the steps (the same batches for the "
+         "same seed); *best*: the lowest validation loss of the run (the early-stopping view); "
+         "*rise*: final minus best validation loss (> 0: it went up at the end, the model began "
+         f"to overfit). Differences are paired by seed against {ref}, as % of its value, with "
+         "95% intervals. Higher train and validation loss: the variant fits less (an "
+         "optimisation or capacity deficit); lower train but higher validation loss: it "
+         "generalises worse.", "",
+         "| variant | train | vs ref | 95% CI | best val | vs ref | 95% CI | rise |",
+         "|---|---:|---:|---|---:|---:|---|---:|"]
+    for row in rep.fit:
+        t, b = row.train_vs_ref, row.best_vs_ref
+        L.append(f"| {row.group} | {_f(row.train.mean)} | {_pct(t.rel_pct) if t else ''} | "
+                 f"{_pct_ci(t.rel_ci) if t else ''} | {_f(row.best.mean)} | "
+                 f"{_pct(b.rel_pct) if b else ''} | {_pct_ci(b.rel_ci) if b else ''} | "
+                 f"{_f(row.rise.mean, '+.4f')} |")
     return L
 
 

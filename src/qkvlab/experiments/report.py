@@ -37,7 +37,9 @@ from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.results import (
     CONFIDENCE,
     TREND_AXES,
+    FitRow,
     GroupResult,
+    PairedRelative,
     Report,
     grid_families,
     group_result,
@@ -104,6 +106,17 @@ def _training_gap_json(rep: Report) -> dict[str, Any] | None:
     return None if gap is None else {"steps": gap.steps, "relative_pct": gap.rel_pct}
 
 
+def _fit_json(row: FitRow) -> dict[str, Any]:
+    def vs(pr: PairedRelative | None) -> dict[str, Any] | None:
+        return None if pr is None else {"seeds": pr.seeds, **pr.test.as_dict(),
+                                        "relative_pct": pr.rel_pct,
+                                        "relative_ci_pct": list(pr.rel_ci)}
+
+    return {"group": row.group, "train_loss_tail": row.train.mean, "best_val_loss": row.best.mean,
+            "rise_after_best": row.rise.mean, "train_vs_reference": vs(row.train_vs_ref),
+            "best_vs_reference": vs(row.best_vs_ref)}
+
+
 def report_json(rep: Report, command: str) -> dict[str, Any]:
     return {
         "spec": rep.spec.name,
@@ -116,6 +129,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "confidence": CONFIDENCE,
         "groups": [g.as_dict() for g in rep.groups],
         "gap_over_training": _training_gap_json(rep),
+        "fit": [_fit_json(row) for row in rep.fit],
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
                                "reference": w.reference, "seeds": w.result.seeds,
                                **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,

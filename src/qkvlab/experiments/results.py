@@ -4,6 +4,7 @@ tests against the reference group (the arithmetic is in qkvlab.experiments.stats
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -95,6 +96,10 @@ class Report:
         return gap_over_training(self)
 
     @cached_property
+    def fit(self) -> list[FitRow]:
+        return fit_rows(self)
+
+    @cached_property
     def trend_gaps(self) -> dict[str, list[SettingGap]]:
         """Per trend axis (TREND_AXES), the gaps at the same settings; [] when the sweep does
         not span that axis."""
@@ -161,10 +166,13 @@ class PairedRelative:
     rel_ci: tuple[float | None, float | None]
 
 
-def paired_relative(pairs: list[tuple[RunData, RunData]]) -> PairedRelative:
-    """(variant run, reference run) pairs of the same seed -> the paired test, in loss and %."""
-    test = paired_t([r.final_loss - b.final_loss for r, b in pairs], CONFIDENCE)
-    ref = summarize([b.final_loss for _, b in pairs]).mean
+def paired_relative(pairs: list[tuple[RunData, RunData]],
+                    value: Callable[[RunData], float] = lambda r: r.final_loss
+                    ) -> PairedRelative:
+    """(variant run, reference run) pairs of the same seed -> the paired test of `value` (the
+    final validation loss unless told), in loss and %."""
+    test = paired_t([value(r) - value(b) for r, b in pairs], CONFIDENCE)
+    ref = summarize([value(b) for _, b in pairs]).mean
     return PairedRelative([r.seed for r, _ in pairs], test, ref, relative(test.mean, ref),
                           (relative(test.ci_low, ref), relative(test.ci_high, ref)))
 
@@ -273,6 +281,41 @@ def gap_over_training(rep: Report, fractions: tuple[float, ...] = (0.1, 0.2, 0.4
     last = evaluated[-1]
     steps = sorted({min(evaluated, key=lambda s: abs(s - f * last)) for f in fractions})
     return TrainingGap(steps, {name: [row.get(s) for s in steps] for name, row in rows.items()})
+
+
+@dataclass
+class FitRow:
+    """How a group fits: its training loss and its best validation loss, each against the
+    reference's (paired by seed), and how far validation loss rose after its best."""
+
+    group: str
+    train: Summary  # train_tail over seeds
+    best: Summary  # best validation loss over seeds
+    rise: Summary  # final - best validation loss over seeds (> 0: it rose at the end)
+    train_vs_ref: PairedRelative | None
+    best_vs_ref: PairedRelative | None
+
+
+def fit_rows(rep: Report) -> list[FitRow]:
+    """One row per group with finished runs: is a gap a fitting deficit (train loss higher
+    too) or a generalisation one (train loss lower), and does early stopping change it?"""
+    base = {r.seed: r for r in rep.baseline.runs if r.status == "done"}
+    rows = []
+    for g in rep.groups:
+        done = [r for r in g.runs if r.status == "done" and r.train_tail is not None
+                and r.best is not None]
+        if not done:
+            continue
+        pairs = [(r, base[r.seed]) for r in done if r.seed in base and base[r.seed].best
+                 and base[r.seed].train_tail is not None]
+        vs = g is not rep.baseline and bool(pairs)
+        rows.append(FitRow(
+            g.group.name, summarize([r.train_tail for r in done]),
+            summarize([r.best[1] for r in done]),
+            summarize([r.final_loss - r.best[1] for r in done]),
+            paired_relative(pairs, lambda r: r.train_tail) if vs else None,
+            paired_relative(pairs, lambda r: r.best[1]) if vs else None))
+    return rows
 
 
 def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:

@@ -51,6 +51,7 @@ class RunData:
     acc_curve: dict[int, float] = field(default_factory=dict)  # step -> val_acc (mlm)
     final_loss: float | None = None
     final_acc: float | None = None
+    train_tail: float | None = None  # mean logged training loss over the last 10% of steps
     tokens: int = 0
     tokens_per_s: float | None = None
     error: str = ""
@@ -58,13 +59,26 @@ class RunData:
     windows: list[float] | None = None  # per-window final losses (--per-window)
     reused_from: str | None = None  # copied from another sweep by `qkvlab sweep --reuse`
 
+    @property
+    def best(self) -> tuple[int, float] | None:
+        """(step, loss) of the lowest validation loss after step 0: the early-stopping view."""
+        evals = [(s, v) for s, v in self.curve.items() if s > 0 and math.isfinite(v)]
+        return min(evals, key=lambda sv: sv[1]) if evals else None
+
     def as_dict(self) -> dict[str, Any]:
+        best = self.best
         return {"group": self.group, "seed": self.seed, "run_dir": str(self.run_dir),
                 "status": self.status, "steps": self.steps, "max_steps": self.max_steps,
                 "final_val_loss": self.final_loss, "final_val_acc": self.final_acc,
+                "best_val_loss": best[1] if best else None,
+                "best_val_step": best[0] if best else None,
+                "train_loss_tail": self.train_tail,
                 "tokens": self.tokens, "tokens_per_s": self.tokens_per_s,
                 "error": self.error or None, "diverged": self.diverged,
                 "reused_from": self.reused_from}
+
+
+TAIL_FROM = 0.9  # the training loss of a run: its logged losses after 90% of the steps
 
 
 def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
@@ -78,6 +92,9 @@ def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
             data.acc_curve[r["step"]] = float(r["val_acc"])
     data.steps = max((r["step"] for r in records), default=0)
     data.tokens_per_s = median_tokens_per_s(records)
+    tail = [float(r["loss"]) for r in records
+            if r.get("loss") is not None and r["step"] > TAIL_FROM * max_steps]
+    data.train_tail = math.fsum(tail) / len(tail) if tail else None
     summary = read_json_record(run_dir / SUMMARY_FILE)
     failed = read_json_record(run_dir / FAILED_FILE)
     done = is_finished(summary, max_steps)
