@@ -105,3 +105,31 @@ def test_theory_conversion_refuses_a_learned_scale():
     model = GPT(cfg(64, n_layer=1, attn_scale="learned"))
     with pytest.raises(QkvlabError, match="learned"):
         convert(model, "q-identity")
+
+
+def test_attention_stats_measure_logit_spread_and_entropy():
+    from qkvlab.theory.scale import attention_stats, uniform_entropy
+
+    torch.manual_seed(0)
+    idx = torch.randint(256, (2, 32))
+    fresh = GPT(cfg(64, n_layer=2, block_size=32))
+    stats = attention_stats(fresh, idx)
+    assert len(stats) == 2 and fresh.training  # train mode restored, one row per layer
+    # tiny initial logits: attention is nearly uniform over what each query may see
+    assert stats[0]["entropy"] == pytest.approx(uniform_entropy(32), rel=1e-3)
+    # layer 1's logit std, by hand: the first block's q k^T * scale over the causal pairs
+    with torch.no_grad():
+        x = fresh.wte(idx) + fresh.wpe(torch.arange(32))
+        q, k, _ = fresh.blocks[0].attn.heads(fresh.blocks[0].norm1(x))
+    logits = q @ k.transpose(-2, -1) * fresh.cfg.scale
+    causal = torch.ones(32, 32, dtype=torch.bool).tril()
+    assert stats[0]["logit_std"] == pytest.approx(float(logits[..., causal].std()), rel=1e-5)
+    # the same weights at a 100x larger scale attend more sharply
+    sharp = GPT(cfg(64, n_layer=2, block_size=32, attn_scale=100 * fresh.cfg.scale))
+    sharp.load_state_dict(fresh.state_dict())
+    hot = attention_stats(sharp, idx)
+    assert hot[0]["logit_std"] == pytest.approx(100 * stats[0]["logit_std"], rel=1e-4)
+    assert hot[0]["entropy"] < stats[0]["entropy"] - 0.5
+    assert uniform_entropy(4) == pytest.approx((math.log(2) + math.log(3) + math.log(4)) / 4)
+    with pytest.raises(ValueError, match="float32"):
+        attention_stats(fresh.to(torch.bfloat16), idx)

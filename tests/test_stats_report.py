@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -52,7 +53,8 @@ rule = "q-identity"
 """
 
 
-def sweep_report(tmp_path, data_dir, variants: str) -> tuple[dict, str, Path]:
+def sweep_report(tmp_path, data_dir, variants: str, *report_args: str
+                 ) -> tuple[dict, str, Path]:
     """A 2-seed, 4-step sweep of SPEC_HEAD's two variants plus `variants`, and its report:
     (report.json, report.md, the report folder)."""
     from conftest import tiny_config
@@ -66,7 +68,7 @@ def sweep_report(tmp_path, data_dir, variants: str) -> tuple[dict, str, Path]:
     spec.write_text(SPEC_HEAD + variants, encoding="utf-8")
     out, rep = tmp_path / "sw", tmp_path / "rep"
     assert main(["sweep", str(spec), "--out", str(out)]) == 0
-    assert main(["report", str(out), "--out", str(rep)]) == 0
+    assert main(["report", str(out), "--out", str(rep), *report_args]) == 0
     return json.loads((rep / "report.json").read_text()), (rep / "report.md").read_text(), rep
 
 
@@ -141,3 +143,31 @@ grid = { lr = [0.004] }
     assert fit["baseline"]["train_vs_reference"] is None
     assert all(r["best_val_loss"] <= r["final_val_loss"] for r in data["runs"])
     assert "## Fit and generalisation" in text
+
+
+def test_attention_statistics_are_measured_cached_and_archived(tmp_path, data_dir):
+    from qkvlab.cli import main
+    from qkvlab.run.load import load_model, open_data
+    from qkvlab.theory.scale import attention_stats
+
+    data, text, _ = sweep_report(tmp_path, data_dir, "", "--attention")
+    run = tmp_path / "sw" / "qid" / "seed-1"
+    cached = json.loads((run / "attention_stats.json").read_text())
+    assert cached["step"] == 4 and cached["windows"] == 16 and len(cached["layers"]) == 1
+    # the cache holds attention_stats of the final checkpoint on the first 16 val windows
+    model, ckpt = load_model(run, torch.device("cpu"))
+    x, _ = open_data(ckpt.config.data).val_windows(16, ckpt.config.model.block_size)
+    (layer,) = attention_stats(model.float(), x)
+    assert cached["layers"][0] == pytest.approx(layer)
+    rows = data["attention"]
+    assert set(rows) == {"baseline", "qid"} and rows["qid"]["seeds"] == [1, 2]
+    seed2 = json.loads((tmp_path / "sw" / "qid" / "seed-2" / "attention_stats.json").read_text())
+    assert rows["qid"]["entropy"][0] == pytest.approx(
+        (cached["layers"][0]["entropy"] + seed2["layers"][0]["entropy"]) / 2)
+    assert "## Attention after training" in text and "logit std L1" in text
+    # archived without checkpoints, the cache stands in
+    assert main(["archive", str(tmp_path / "sw"), str(tmp_path / "arch")]) == 0
+    assert main(["report", str(tmp_path / "arch"), "--out", str(tmp_path / "rep2"),
+                 "--attention"]) == 0
+    again = json.loads((tmp_path / "rep2" / "report.json").read_text())
+    assert again["attention"] == rows

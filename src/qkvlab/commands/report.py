@@ -15,6 +15,7 @@ class ReportOptions:
     runs: str | None = None
     out: str | None = None
     per_window: bool = False
+    attention: bool = False
     versus: str | None = None
     overrides: list[str] = field(default_factory=list)
 
@@ -26,6 +27,8 @@ class ReportOptions:
         parts += ["--out", str(out)]
         if self.per_window:
             parts.append("--per-window")
+        if self.attention:
+            parts.append("--attention")
         if self.versus:
             parts += ["--versus", self.versus]
         for item in self.overrides:
@@ -43,7 +46,8 @@ def run_report(opts: ReportOptions) -> int:
     sweep_dir = Path(opts.runs) if opts.runs else spec.default_out
     out = Path(opts.out) if opts.out else sweep_dir / "report"
     rep = build_report(spec, sweep_dir, per_window=opts.per_window,
-                       overrides=list(opts.overrides), versus=opts.versus)
+                       overrides=list(opts.overrides), versus=opts.versus,
+                       attention=opts.attention)
     path = write_report(rep, out, opts.command_line(out))
     for g in rep.groups:
         if g is not rep.baseline:
@@ -61,6 +65,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--per-window", action="store_true",
                    help="also score each final checkpoint per validation window (secondary "
                         "paired view; loads the checkpoints)")
+    p.add_argument("--attention", action="store_true",
+                   help="also measure each final checkpoint's attention (logit std and row "
+                        "entropy per layer; loads the checkpoints)")
     p.add_argument("--versus", default=None, metavar="VARIANT",
                    help="pair every variant against this one instead of the spec's baseline "
                         "(e.g. nonlinear-q vs a wider-MLP control)")

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.runs import WINDOW_FILE
+from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE
 from qkvlab.experiments.sweep import SWEEP_FILE
 from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
@@ -22,7 +22,7 @@ from qkvlab.run.records import is_finished, read_json_record
 
 SWEEP_RECORDS = (SWEEP_FILE, "spec.toml")
 RUN_RECORDS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
-               REUSED_FILE)
+               ATTENTION_FILE, REUSED_FILE)
 
 
 def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[int, int]:

@@ -19,11 +19,13 @@ from qkvlab.experiments.results import (
     TrendAxis,
     grid_families,
 )
+from qkvlab.experiments.runs import ATTENTION_WINDOWS
 from qkvlab.experiments.spec import Spec
 from qkvlab.experiments.stats import Summary, sign_test_floor
 from qkvlab.experiments.sweep import machine_info, now_iso
 from qkvlab.run.layout import SUMMARY_FILE
 from qkvlab.run.records import read_json_record
+from qkvlab.theory.scale import uniform_entropy
 
 # What docs/paper.md reports for the variants the rules make (GPT-2 small, OpenWebText, one seed).
 PAPER_SAYS: dict[str, str] = {
@@ -114,6 +116,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
         L += _per_window_table(rep)
     L += _training_gap_section(rep)
     L += _fit_section(rep)
+    L += _attention_section(rep)
     L += _curves(plots)
     for axis in TREND_AXES:
         L += _gap_section(rep, axis, plots)
@@ -370,6 +373,29 @@ def _fit_section(rep: Report) -> list[str]:
                  f"{_pct_ci(t.rel_ci) if t else ''} | {_f(row.best.mean)} | "
                  f"{_pct(b.rel_pct) if b else ''} | {_pct_ci(b.rel_ci) if b else ''} | "
                  f"{_f(row.rise.mean, '+.4f')} |")
+    return L
+
+
+def _attention_section(rep: Report) -> list[str]:
+    """How sharply each group attends after training (`--attention`), layer by layer."""
+    if not rep.attention:
+        return []
+    n = len(rep.attention[0].logit_std)
+    cfg = rep.baseline.group.config
+    ceiling = uniform_entropy(cfg.model.block_size, cfg.model.causal)
+    L = ["", "## Attention after training", "",
+         f"Each final checkpoint on the first {ATTENTION_WINDOWS} validation windows of "
+         f"{cfg.model.block_size} tokens (`qkvlab report --attention`), mean over seeds: the "
+         "std of the attention logits q k^T * scale over the pairs a query may see, and the mean "
+         f"entropy of the attention rows in nats (attention spread evenly: {ceiling:.2f}; "
+         "lower is sharper).", "",
+         "| variant | seeds | " + " | ".join(f"logit std L{i + 1}" for i in range(n)) + " | "
+         + " | ".join(f"entropy L{i + 1}" for i in range(n)) + " |",
+         "|---|---|" + "---:|" * (2 * n)]
+    for row in rep.attention:
+        L.append(f"| {row.group} | {', '.join(map(str, row.seeds))} | "
+                 + " | ".join(f"{v:.2f}" for v in row.logit_std) + " | "
+                 + " | ".join(f"{v:.2f}" for v in row.entropy) + " |")
     return L
 
 

@@ -46,7 +46,7 @@ from qkvlab.experiments.results import (
     pair_with_reference,
     pick_reference,
 )
-from qkvlab.experiments.runs import find_seeds, per_window_losses, read_run
+from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -54,9 +54,11 @@ from qkvlab.run.records import read_json_record
 
 
 def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
-                 overrides: list[str] | None = None, versus: str | None = None) -> Report:
+                 overrides: list[str] | None = None, versus: str | None = None,
+                 attention: bool = False) -> Report:
     """The statistics of a sweep folder; the paired tests are against the spec's baseline, or
-    against the group (or single-group variant) named by `versus`."""
+    against the group (or single-group variant) named by `versus`. `per_window` and
+    `attention` measure the final checkpoints too (cached in the run folders)."""
     record = _sweep_record(spec, sweep_dir)
     rules = {v.name: v.rule for v in spec.variants}
     results: list[GroupResult] = []
@@ -64,10 +66,11 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
         _check_identity(g, record, sweep_dir)
         seeds = sorted(set(find_seeds(sweep_dir / g.name)))
         runs = [read_run(g, s, sweep_dir / g.name / f"seed-{s}") for s in seeds]
-        if per_window:
-            for r in runs:
-                if r.status == "done":
-                    r.windows = per_window_losses(r, g)
+        for r in runs:
+            if r.status == "done" and per_window:
+                r.windows = per_window_losses(r, g)
+            if r.status == "done" and attention:
+                r.attention = attention_summary(r, g)
         results.append(group_result(g, rules.get(g.variant), runs))
     if not any(r.status == "done" for g in results for r in g.runs):
         raise QkvlabError(f"no finished runs in {sweep_dir}: run `qkvlab sweep` to train them "
@@ -130,6 +133,8 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "groups": [g.as_dict() for g in rep.groups],
         "gap_over_training": _training_gap_json(rep),
         "fit": [_fit_json(row) for row in rep.fit],
+        "attention": {row.group: {"seeds": row.seeds, "logit_std": row.logit_std,
+                                  "entropy": row.entropy} for row in rep.attention},
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
                                "reference": w.reference, "seeds": w.result.seeds,
                                **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,

@@ -100,6 +100,10 @@ class Report:
         return fit_rows(self)
 
     @cached_property
+    def attention(self) -> list[AttentionRow]:
+        return attention_rows(self)
+
+    @cached_property
     def trend_gaps(self) -> dict[str, list[SettingGap]]:
         """Per trend axis (TREND_AXES), the gaps at the same settings; [] when the sweep does
         not span that axis."""
@@ -315,6 +319,32 @@ def fit_rows(rep: Report) -> list[FitRow]:
             summarize([r.final_loss - r.best[1] for r in done]),
             paired_relative(pairs, lambda r: r.train_tail) if vs else None,
             paired_relative(pairs, lambda r: r.best[1]) if vs else None))
+    return rows
+
+
+@dataclass
+class AttentionRow:
+    """A group's attention after training, per layer, averaged over its measured seeds."""
+
+    group: str
+    seeds: list[int]
+    logit_std: list[float]
+    entropy: list[float]
+
+
+def attention_rows(rep: Report) -> list[AttentionRow]:
+    """The groups whose finished runs carry attention statistics (`qkvlab report
+    --attention`), each layer's logit std and row entropy averaged over seeds."""
+    rows = []
+    for g in rep.groups:
+        runs = [r for r in g.runs if r.status == "done" and r.attention]
+        if not runs:
+            continue
+        layers = range(len(runs[0].attention))
+        rows.append(AttentionRow(
+            g.group.name, [r.seed for r in runs],
+            [math.fsum(r.attention[i]["logit_std"] for r in runs) / len(runs) for i in layers],
+            [math.fsum(r.attention[i]["entropy"] for r in runs) / len(runs) for i in layers]))
     return rows
 
 

@@ -2,13 +2,15 @@
 
 Everything comes from the files a run leaves behind (metrics.jsonl, summary.json, failed.json,
 config.toml), so an archived sweep without checkpoints reads the same; only the per-window
-losses need the final checkpoint, and they are cached in the run folder.
+losses and the attention statistics need the final checkpoint, and they are cached in the
+run folder.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,11 @@ from qkvlab.run.load import load_model, open_data
 from qkvlab.run.metrics import read_metrics
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.run.store import read_checkpoint
+from qkvlab.theory.scale import attention_stats
 from qkvlab.train import objectives
 
 WINDOW_FILE = "window_losses.json"
+ATTENTION_FILE = "attention_stats.json"
 
 
 @dataclass
@@ -57,6 +61,7 @@ class RunData:
     error: str = ""
     diverged: bool = False
     windows: list[float] | None = None  # per-window final losses (--per-window)
+    attention: list[dict[str, float]] | None = None  # per layer, final (--attention)
     reused_from: str | None = None  # copied from another sweep by `qkvlab sweep --reuse`
 
     @property
@@ -147,17 +152,50 @@ def find_seeds(group_dir: Path) -> list[int]:
 def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     """The final checkpoint's loss on each fixed validation window (cached in the run folder)."""
     cfg = run_config(run.run_dir, group)
-    if run.status != "done":
-        return None
     key = {"windows": cfg.train.eval_windows, "block_size": cfg.model.block_size,
            "objective": cfg.train.objective}
-    cache = read_json_record(run.run_dir / WINDOW_FILE)
+
+    def score(model: torch.nn.Module, data: Any, device: torch.device) -> list[float]:
+        x, y = data.val_windows(cfg.train.eval_windows, cfg.model.block_size)
+        x, y = objectives.eval_inputs(cfg, data.vocab_size, x, y)
+        with torch.inference_mode():
+            return objectives.window_losses(model, x, y, cfg.train.eval_batch_size
+                                            or cfg.train.batch_size, device, cfg.train.dtype)
+
+    cached = _final_checkpoint_record(run, cfg, WINDOW_FILE, key, "losses", score)
+    return None if cached is None else [float(v) for v in cached]
+
+
+ATTENTION_WINDOWS = 16  # validation windows the attention statistics are measured on
+
+
+def attention_summary(run: RunData, group: Group) -> list[dict[str, float]] | None:
+    """Per layer, the final checkpoint's attention logit std and row entropy on the first
+    ATTENTION_WINDOWS validation windows (theory.scale.attention_stats; cached in the run
+    folder)."""
+    cfg = run_config(run.run_dir, group)
+    key = {"windows": ATTENTION_WINDOWS, "block_size": cfg.model.block_size}
+
+    def measure(model: torch.nn.Module, data: Any, device: torch.device) -> list[dict]:
+        x, _ = data.val_windows(ATTENTION_WINDOWS, cfg.model.block_size)
+        return attention_stats(model.float(), x.to(device))
+
+    return _final_checkpoint_record(run, cfg, ATTENTION_FILE, key, "layers", measure)
+
+
+def _final_checkpoint_record(run: RunData, cfg: Any, name: str, key: dict[str, Any],
+                             field_: str, compute: Callable[..., Any]) -> Any:
+    """`compute(model, data, device)` of a finished run's final checkpoint, cached in the run
+    folder as `name` under `key`; an archived run (no checkpoints) answers from its cache."""
+    if run.status != "done":
+        return None
+    cache = read_json_record(run.run_dir / name)
     cached = None
     if cache and cache.get("step") == run.max_steps and all(cache.get(k) == v
                                                             for k, v in key.items()):
-        cached = [float(v) for v in cache["losses"]]
+        cached = cache.get(field_)
     ckpts = list_checkpoints(run.run_dir)
-    if not ckpts:  # an archived sweep (qkvlab archive): the cached losses stand in
+    if not ckpts:  # an archived sweep (qkvlab archive): the cache stands in
         return cached
     ckpt = read_checkpoint(ckpts[-1])
     if ckpt.step != run.max_steps:
@@ -166,12 +204,7 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
         return cached
     device = resolve_device("auto")
     model, _ = load_model(ckpt.path, device)
-    data = open_data(cfg.data, lambda _m: None)
-    x, y = data.val_windows(cfg.train.eval_windows, cfg.model.block_size)
-    x, y = objectives.eval_inputs(cfg, data.vocab_size, x, y)
-    with torch.inference_mode():
-        losses = objectives.window_losses(model, x, y, cfg.train.eval_batch_size
-                                          or cfg.train.batch_size, device, cfg.train.dtype)
-    write_text_atomic(run.run_dir / WINDOW_FILE, json.dumps(
-        {"step": ckpt.step, **key, "losses": losses}) + "\n")
-    return losses
+    value = compute(model, open_data(cfg.data, lambda _m: None), device)
+    write_text_atomic(run.run_dir / name, json.dumps(
+        {"step": ckpt.step, **key, field_: value}) + "\n")
+    return value

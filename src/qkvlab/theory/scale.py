@@ -1,11 +1,15 @@
-"""The attention scale at initialisation: how large a model's first logits are.
+"""The attention scale: how large a model's logits are at initialisation and after training.
 
 The "matched" rule (model/config.py, derived in docs/theory.md) is meant to give an identity
 query the baseline's initial logit spread at any width; `initial_logit_std` measures that
-spread, so the rule is checked rather than assumed.
+spread, so the rule is checked rather than assumed. `attention_stats` measures the logit spread
+and the attention entropy of any model, layer by layer: whether a trained W_Q = I model
+attends as sharply as the baseline.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -31,3 +35,46 @@ def initial_logit_std(cfg: ModelConfig, seed: int = 0, batch: int = 4, length: i
     q, k, _ = block.attn.heads(block.norm1(x), rope)
     k = k.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1)
     return float((q @ k.transpose(-2, -1) * cfg.scale).std())
+
+
+@torch.no_grad()
+def attention_stats(model: GPT, idx: torch.Tensor) -> list[dict[str, float]]:
+    """Per layer, how sharp a model's attention is on token ids idx (B, T), in float32:
+    `logit_std`, the std of the logits q k^T * scale (learned per-head gains included) over
+    the pairs a query may attend to, and `entropy`, the mean entropy of the attention rows in
+    nats. What an identity query changes is how large the logits can grow, so these say
+    whether a trained W_Q = I model attends as sharply as the baseline."""
+    if next(model.parameters()).dtype != torch.float32:
+        raise ValueError("attention_stats needs a float32 model (model.float())")
+    cfg, inputs, was_training = model.cfg, [], model.training
+    # the attention's input (norm1's output) and the RoPE tables, as each layer sees them
+    hooks = [block.attn.register_forward_pre_hook(
+        lambda _m, args: inputs.append((args[0], args[1] if len(args) > 1 else None)))
+        for _, block in model.layers()]
+    try:
+        model.eval()(idx)
+    finally:
+        model.train(was_training)
+        for h in hooks:
+            h.remove()
+    T = idx.shape[1]
+    allowed = (torch.ones(T, T, dtype=torch.bool).tril() if cfg.causal
+               else torch.ones(T, T, dtype=torch.bool))
+    out = []
+    for (_, block), (h, rope) in zip(model.layers(), inputs, strict=True):
+        q, k, _ = block.attn.heads(h, rope)
+        k = k.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1)
+        logits = (q @ k.transpose(-2, -1) * block.attn.scale).masked_fill(~allowed, float("-inf"))
+        p = logits.softmax(-1)
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+        out.append({"logit_std": float(logits[..., allowed].std()),
+                    "entropy": float(entropy.mean())})
+    return out
+
+
+def uniform_entropy(length: int, causal: bool = True) -> float:
+    """The mean row entropy of attention spread evenly over what each query may see: the
+    ceiling `attention_stats`' entropy is read against."""
+    if not causal:
+        return math.log(length)
+    return math.fsum(math.log(i + 1) for i in range(length)) / length
