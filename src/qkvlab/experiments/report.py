@@ -111,9 +111,7 @@ def _training_gap_json(rep: Report) -> dict[str, Any] | None:
 
 def _fit_json(row: FitRow) -> dict[str, Any]:
     def vs(pr: PairedRelative | None) -> dict[str, Any] | None:
-        return None if pr is None else {"seeds": pr.seeds, **pr.test.as_dict(),
-                                        "relative_pct": pr.rel_pct,
-                                        "relative_ci_pct": list(pr.rel_ci)}
+        return None if pr is None else pr.as_dict()
 
     return {"group": row.group, "train_loss_tail": row.train.mean, "best_val_loss": row.best.mean,
             "rise_after_best": row.rise.mean, "train_vs_reference": vs(row.train_vs_ref),
@@ -136,9 +134,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "attention": {row.group: {"seeds": row.seeds, "logit_std": row.logit_std,
                                   "entropy": row.entropy} for row in rep.attention},
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
-                               "reference": w.reference, "seeds": w.result.seeds,
-                               **w.result.test.as_dict(), "relative_pct": w.result.rel_pct,
-                               "relative_ci_pct": list(w.result.rel_ci)}
+                               "reference": w.reference, **w.result.as_dict()}
                               for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
         "runs": [r.as_dict() for r in rep.runs()],

@@ -169,6 +169,10 @@ class PairedRelative:
     rel_pct: float | None
     rel_ci: tuple[float | None, float | None]
 
+    def as_dict(self) -> dict[str, Any]:
+        return {"seeds": self.seeds, **self.test.as_dict(), "relative_pct": self.rel_pct,
+                "relative_ci_pct": list(self.rel_ci)}
+
 
 def paired_relative(pairs: list[tuple[RunData, RunData]],
                     value: Callable[[RunData], float] = lambda r: r.final_loss
