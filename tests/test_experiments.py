@@ -372,6 +372,44 @@ def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
     capsys.readouterr()
 
 
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_a_run_another_process_trains_is_skipped_not_failed(data_dir, tmp_path, capsys, jobs):
+    """Two sweeps sharing a folder: a run whose lock a live process holds is left to it."""
+    import socket
+    import subprocess
+
+    from qkvlab.run import lock as run_lock
+
+    spec = write_spec(tmp_path / "specs", data_dir)
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(spec), "--out", str(out), "--only", "baseline", "--seeds", "1"]) == 0
+    busy = out / "q-identity" / "seed-1"
+    busy.mkdir(parents=True)
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        started = run_lock._start_time(holder.pid)
+        (busy / ".lock").write_text(f"{holder.pid} {socket.gethostname()} {started}\n")
+        assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1", "--dry-run"]) == 0
+        assert "1 running" in capsys.readouterr().out
+        assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1",
+                     "--jobs", jobs]) == 0
+        printed = capsys.readouterr().out
+        assert f"trained by process {holder.pid}" in printed and "skipped" in printed
+        assert not (busy / "failed.json").exists() and not (busy / "metrics.jsonl").exists()
+        # the check a sweep makes again just before it starts each run
+        run = next(r for r in load_spec(str(spec)).runs(out) if r.run_dir == busy)
+        assert sweep_mod.claimed_elsewhere(run) == (
+            f"trained by process {holder.pid} on {socket.gethostname()} now")
+    finally:
+        holder.kill()
+        holder.wait()
+    # its process gone, the next sweep trains it
+    assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1"]) == 0
+    assert "all 2 runs done" in capsys.readouterr().out
+    assert (busy / "summary.json").is_file()
+    assert sweep_mod.claimed_elsewhere(run) == "finished meanwhile"
+
+
 def test_missing_data_and_huge_grids_are_refused(data_dir, tmp_path, capsys):
     folder = tmp_path / "specs"
     spec = write_spec(folder, data_dir, extra='set = ["data.dir=/nonexistent/owt"]')

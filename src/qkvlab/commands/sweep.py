@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from qkvlab.commands.common import Subparsers, add_overrides, register
 from qkvlab.console import print_table
 from qkvlab.errors import QkvlabError
+from qkvlab.run.lock import RunInUse
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -204,6 +205,10 @@ def _start(sw: _Sweep, opts: SweepOptions) -> None:
             sw.states[run.run_dir] = lib.run_state(run)
             sw.console.print(f"{run.label}: copied the finished run {sw.reusable[run.run_dir]}")
     sw.todo = [r for r in sw.todo if r.run_dir not in sw.reusable]
+    for run in sw.runs:  # another sweep sharing this folder, or a plain `qkvlab train`
+        if sw.states[run.run_dir].status == "running":
+            sw.console.print(f"{run.label}: trained by {sw.states[run.run_dir].note} now; "
+                             "skipped")
 
 
 def _print_commands(sw: _Sweep, launcher: str | None) -> int:
@@ -229,10 +234,14 @@ def _train(sw: _Sweep, opts: SweepOptions) -> tuple[int | None, list[Run]]:
         from qkvlab.experiments.sweep import run_parallel
 
         return run_parallel(sw.todo, opts.jobs, sw.console)
-    from qkvlab.experiments.sweep import FAILED_FILE, run_state
+    from qkvlab.experiments.sweep import FAILED_FILE, claimed_elsewhere, run_state
 
     stopped, failures = None, []
     for i, run in enumerate(sw.todo):
+        why = claimed_elsewhere(run)
+        if why:
+            sw.console.print(f"{run.label}: {why}; skipped")
+            continue
         state = sw.states[run.run_dir]
         resume = f", resuming at step {state.step}" if state.status == "partial" else ""
         what = run.group.description or run.group.variant
@@ -252,7 +261,8 @@ def _train(sw: _Sweep, opts: SweepOptions) -> tuple[int | None, list[Run]]:
 
 def _train_one(run: Run, launcher: str | None, console: Console) -> tuple[str, int | None]:
     """Train one run in this process or through `launcher`: ("done" | "failed" (recorded in
-    the run's failed.json) | "stopped", the signal that stopped it)."""
+    the run's failed.json) | "skipped" (another process trains it) | "stopped", the signal
+    that stopped it)."""
     from qkvlab.experiments.sweep import (
         SIGNAL_EXITS,
         materialize,
@@ -275,6 +285,9 @@ def _train_one(run: Run, launcher: str | None, console: Console) -> tuple[str, i
 
     try:
         summary = train(run.config, resume=True)
+    except RunInUse as exc:  # another process took it a moment ago: not this run's failure
+        console.print(f"{run.label}: {exc}; skipped")
+        return "skipped", None
     except QkvlabError as exc:
         record_failure(run, str(exc))
         console.print(f"[red]{run.label} failed[/]: {exc}")
@@ -322,7 +335,8 @@ def add_parser(sub: Subparsers) -> None:
                    help="start each run as LAUNCHER -m qkvlab train RUN --resume, e.g. "
                         "'torchrun --standalone --nproc-per-node=8'")
     p.add_argument("--only", action="append", default=None, metavar="VARIANT",
-                   help="only these variants (repeatable or comma-separated)")
+                   help="only these groups, variants or families (a family name takes all "
+                        "its variants; repeatable or comma-separated)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
     p.add_argument("--yes", action="store_true", help="allow launching more than 100 runs")
     p.add_argument("--retry-failed", action="store_true", help="retrain runs that failed before")

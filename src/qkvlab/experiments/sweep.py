@@ -71,6 +71,7 @@ from qkvlab.run.layout import (
     list_checkpoints,
 )
 from qkvlab.run.load import open_data
+from qkvlab.run.lock import lock_holder
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
 
@@ -83,7 +84,8 @@ MAX_SESSIONS = 100  # sessions kept in sweep.json
 # ---- the state of one run -----------------------------------------------------------------
 @dataclass(frozen=True)
 class RunState:
-    """done (summary at max_steps), failed (failed.json), partial (checkpoints), pending."""
+    """done (summary at max_steps), running (a live process holds the folder's lock; `note`
+    names it), failed (failed.json), partial (checkpoints), pending."""
 
     status: str
     step: int = 0
@@ -100,11 +102,25 @@ def run_state(run: Run) -> RunState:
     failed = read_json_record(run_dir / FAILED_FILE)
     ckpts = list_checkpoints(run_dir)
     step = (ckpt_step(ckpts[-1]) or 0) if ckpts else 0
+    holder = lock_holder(run_dir)
+    if holder:  # another sweep (or a plain `qkvlab train`) is training it now
+        return RunState("running", step, None, holder)
     if failed:
         return RunState("failed", step, None, str(failed.get("error", "")))
     if ckpts:
         return RunState("partial", step)
     return RunState("pending")
+
+
+def claimed_elsewhere(run: Run) -> str | None:
+    """Why a run that was to train must not start now, or None: another process trains it, or
+    has finished it since the sweep began (two sweeps sharing one folder)."""
+    state = run_state(run)
+    if state.status == "running":
+        return f"trained by {state.note} now"
+    if state.status == "done":
+        return "finished meanwhile"
+    return None
 
 
 # ---- machine and command records ----------------------------------------------------------
@@ -264,6 +280,8 @@ def _cell(state: RunState, max_steps: int) -> str:
         return f"done {loss:.4f}" if loss is not None else "done"
     if state.status == "partial":
         return f"step {state.step}/{max_steps}"
+    if state.status == "running":
+        return f"running (step {state.step}/{max_steps})"
     if state.status == "failed":
         return "[red]failed[/]"
     return "pending"
@@ -456,6 +474,10 @@ def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jo
     while queue or running:
         while queue and len(running) < jobs and stopped is None:
             run = queue.pop(0)
+            why = claimed_elsewhere(run)
+            if why:
+                console.print(f"{run.label}: {why}; skipped")
+                continue
             materialize(run)
             (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
             log = open(run.run_dir / LOG_FILE, "ab")  # noqa: SIM115 - closed when it ends

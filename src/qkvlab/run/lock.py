@@ -12,6 +12,10 @@ from qkvlab.errors import QkvlabError
 from qkvlab.run.layout import LOCK_FILE
 
 
+class RunInUse(QkvlabError):
+    """The run folder is locked by a live process: it is being trained now."""
+
+
 class RunLock:
     """An exclusive lock file (pid, host, process start time) so two runs never share a folder.
 
@@ -26,20 +30,6 @@ class RunLock:
         self.path = self.run_dir / LOCK_FILE
         self.token = f"{os.getpid()} {socket.gethostname()} {_start_time(os.getpid()) or '-'}"
         self._created: list[Path] = []  # folders mkdir made, deepest first
-
-    @staticmethod
-    def _alive(pid: int, host: str, started: str = "-") -> bool:
-        if host != socket.gethostname():
-            return True  # cannot check another machine: assume it is running
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        now = _start_time(pid)
-        # the pid is taken, but by a process started after the lock's writer: pid reuse
-        return started == "-" or now is None or now == started
 
     def __enter__(self) -> RunLock:
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -67,17 +57,12 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                try:
-                    fields_ = self.path.read_text(encoding="utf-8").split()
-                    pid, host = int(fields_[0]), fields_[1]
-                    started = fields_[2] if len(fields_) > 2 else "-"
-                except (OSError, ValueError, IndexError):
-                    pid, host, started = -1, "", "-"  # empty or garbled: died while writing it
-                if pid > 0 and self._alive(pid, host, started):
-                    raise QkvlabError(
-                        f"run dir {self.run_dir} is in use by process {pid} on {host} (lock "
-                        f"file {self.path}): wait for it, or delete the lock file if that "
-                        "process is gone"
+                holder = _live_holder(self.path)
+                if holder:
+                    raise RunInUse(
+                        f"run dir {self.run_dir} is in use by {holder} (lock file "
+                        f"{self.path}): wait for it, or delete the lock file if that process "
+                        "is gone"
                     ) from None
                 self.path.unlink(missing_ok=True)  # stale: its process is dead
                 continue
@@ -100,6 +85,35 @@ class RunLock:
         except OSError:
             pass
         self._remove_created()
+
+
+def lock_holder(run_dir: Path) -> str | None:
+    """"process PID on HOST" when a live process holds `run_dir`'s lock, else None."""
+    return _live_holder(Path(run_dir) / LOCK_FILE)
+
+
+def _live_holder(path: Path) -> str | None:
+    try:
+        fields_ = path.read_text(encoding="utf-8").split()
+        pid, host = int(fields_[0]), fields_[1]
+        started = fields_[2] if len(fields_) > 2 else "-"
+    except (OSError, ValueError, IndexError):
+        return None  # no lock, or an empty or garbled one: its writer died writing it
+    return f"process {pid} on {host}" if pid > 0 and _alive(pid, host, started) else None
+
+
+def _alive(pid: int, host: str, started: str = "-") -> bool:
+    if host != socket.gethostname():
+        return True  # cannot check another machine: assume it is running
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    now = _start_time(pid)
+    # the pid is taken, but by a process started after the lock's writer: pid reuse
+    return started == "-" or now is None or now == started
 
 
 def _start_time(pid: int) -> str | None:
