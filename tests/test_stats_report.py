@@ -92,6 +92,15 @@ n_embd = 32
     assert gaps[("qid", 16)]["reference"] == "baseline" and gaps[("qid", 16)]["n"] == 2
     assert "## Gap to the baseline against width" in text and "gap_vs_width.png" in text
     assert (rep / "gap_vs_width.png").stat().st_size > 5_000
+    # the early-stopping view: each run's lowest validation loss, paired with its own width's
+    best = {(r["group"], r["seed"]): r["best_val_loss"] for r in data["runs"]}
+    diffs = [best[("qid-wide", s)] - best[("baseline-wide", s)] for s in (1, 2)]
+    ref = (best[("baseline-wide", 1)] + best[("baseline-wide", 2)]) / 2
+    wide = gaps[("qid", 32)]
+    assert wide["best_val"]["relative_pct"] == pytest.approx(100 * sum(diffs) / 2 / ref)
+    assert wide["train"]["n"] == 2 and "| best | 95% CI | train | 95% CI |" in text
+    keys = sorted(gaps)  # p adjusted over the table's two rows
+    assert [gaps[k]["p_holm"] for k in keys] == pytest.approx(holm([gaps[k]["p"] for k in keys]))
     assert "p (Holm)" in text and "sign test over 2 seeds cannot go below p = 0.5" in text
 
 

@@ -155,22 +155,29 @@ def _paired_points(rep: Report, groups: list[GroupResult], key: str
 
 def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> None:
     """The paired gap to the reference at the same setting (%, 95% interval) against the
-    setting (width or learning rate), one line per family."""
+    setting (width or learning rate), one line per family: at the end (solid) and at each
+    run's best validation loss (dashed, nudged right so the bars do not overlap)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     fams = list(dict.fromkeys(w.family for w in gaps))
     colors = variant_colors(fams)
     for fam in fams:
-        pts = [w for w in gaps if w.family == fam and w.result.rel_pct is not None]
-        xs = [w.value for w in pts]
-        ys = [w.result.rel_pct for w in pts]
-        lo = [y - (w.result.rel_ci[0] if w.result.rel_ci[0] is not None else y)
-              for w, y in zip(pts, ys, strict=True)]
-        hi = [(w.result.rel_ci[1] if w.result.rel_ci[1] is not None else y) - y
-              for w, y in zip(pts, ys, strict=True)]
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=fam, color=colors[fam])
+        for which, nudge, style, fill in (("final", 1.0, "-", None), ("best", 1.04, "--", "none")):
+            pts = [(w.value * nudge, w.result if which == "final" else w.best) for w in gaps
+                   if w.family == fam]
+            pts = [(x, r) for x, r in pts if r.rel_pct is not None]
+            ys = [r.rel_pct for _, r in pts]
+            lo = [y - (r.rel_ci[0] if r.rel_ci[0] is not None else y)
+                  for (_, r), y in zip(pts, ys, strict=True)]
+            hi = [(r.rel_ci[1] if r.rel_ci[1] is not None else y) - y
+                  for (_, r), y in zip(pts, ys, strict=True)]
+            ax.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker="o", capsize=3,
+                        ls=style, mfc=fill, label=f"{fam} ({which} val)", color=colors[fam])
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
+    values = sorted({w.value for w in gaps})
+    ax.set_xticks(values, [f"{v:g}" for v in values])  # the settings run, not powers of 2
+    ax.minorticks_off()
     ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")

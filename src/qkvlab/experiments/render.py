@@ -408,16 +408,21 @@ def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[st
     fam, short = rep.baseline.group.family, "d" if axis.name == "width" else axis.name
     L = ["", f"## Gap to the baseline against {axis.name}", "",
          f"Each group against the {fam} group at its own {axis.name}, paired by seed (t-test, "
-         "95% interval), as % of that baseline's loss.", "",
-         f"| family | {short} | group | vs | seeds | mean diff | 95% CI | p | relative "
-         "| relative 95% CI |",
-         "|---|---:|---|---|---|---:|---|---:|---:|---|"]
+         "95% interval), as % of that baseline's loss: at the end (*final*, with p and p "
+         "Holm-adjusted over this table's rows), at each "
+         "run's lowest validation loss (*best*: early stopping, which takes out overfitting) "
+         "and in training loss (*train*, after 90% of the steps; higher: it fits less).", "",
+         f"| family | {short} | group | vs | seeds | {fam} final | final | 95% CI | p "
+         "| p (Holm) | best | 95% CI | train | 95% CI |",
+         "|---|---:|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
     for w in gaps:
-        t, r = w.result.test, w.result
+        r, t = w.result, w.result.test
+        train = (f"{_pct(w.train.rel_pct)} | {_pct_ci(w.train.rel_ci)}" if w.train
+                 else "n/a | n/a")
         L.append(f"| {w.family} | {w.value:g} | {w.group} | {w.reference} | "
-                 f"{', '.join(map(str, r.seeds))} | {_f(t.mean, '+.4f')} | "
-                 f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_p(t.p)} | "
-                 f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} |")
+                 f"{', '.join(map(str, r.seeds))} | {_f(r.reference_mean, '.4f')} | "
+                 f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} | {_p(t.p)} | {_p(w.p_holm)} | "
+                 f"{_pct(w.best.rel_pct)} | {_pct_ci(w.best.rel_ci)} | {train} |")
     if f"gap_{axis.name}" in plots:
         L += ["", f"![gap vs {axis.name}]({plots[f'gap_{axis.name}']})"]
     return L

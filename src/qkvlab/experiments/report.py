@@ -134,7 +134,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "attention": {row.group: {"seeds": row.seeds, "logit_std": row.logit_std,
                                   "entropy": row.entropy} for row in rep.attention},
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
-                               "reference": w.reference, **w.result.as_dict()}
+                               "reference": w.reference, **w.as_dict()}
                               for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
         "runs": [r.as_dict() for r in rep.runs()],

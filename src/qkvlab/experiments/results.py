@@ -214,7 +214,14 @@ class SettingGap:
     value: float  # the group's value on the axis
     group: str
     reference: str
-    result: PairedRelative
+    result: PairedRelative  # the final validation loss
+    best: PairedRelative  # each run's lowest validation loss: the gap with early stopping
+    train: PairedRelative | None  # the training loss after 90% of the steps, where logged
+    p_holm: float | None = None  # the final loss's p, Holm-adjusted over the axis's gaps
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.result.as_dict(), "p_holm": self.p_holm, "best_val": self.best.as_dict(),
+                "train": self.train.as_dict() if self.train else None}
 
 
 def _settings(g: GroupResult) -> tuple[float, ...]:
@@ -235,11 +242,19 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
         ref = refs.get(_settings(g))
         if g.group.family == fam or ref is None:
             continue
-        base = {r.seed: r for r in ref.runs if r.status == "done"}
-        pairs = [(r, base[r.seed]) for r in g.runs if r.status == "done" and r.seed in base]
-        if pairs:
-            out.append(SettingGap(g.group.family, _settings(g)[at], g.group.name,
-                                  ref.group.name, paired_relative(pairs)))
+        base = {r.seed: r for r in ref.runs if r.status == "done" and r.best}
+        pairs = [(r, base[r.seed]) for r in g.runs
+                 if r.status == "done" and r.best and r.seed in base]
+        if not pairs:
+            continue
+        logged = [(r, b) for r, b in pairs if r.train_tail is not None
+                  and b.train_tail is not None]
+        out.append(SettingGap(
+            g.group.family, _settings(g)[at], g.group.name, ref.group.name,
+            paired_relative(pairs), paired_relative(pairs, lambda r: r.best[1]),
+            paired_relative(logged, lambda r: r.train_tail) if logged else None))
+    for w, p in zip(out, holm([w.result.test.p for w in out]), strict=True):
+        w.p_holm = p
     return sorted(out, key=lambda w: (w.family, w.value))
 
 
