@@ -88,7 +88,7 @@ class RunLock:
 
 
 def lock_holder(run_dir: Path) -> str | None:
-    """"process PID on HOST" when a live process holds `run_dir`'s lock, else None."""
+    """Who holds `run_dir`'s lock ("process PID on HOST") while that process lives, else None."""
     return _live_holder(Path(run_dir) / LOCK_FILE)
 
 
