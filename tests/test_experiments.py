@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from qkvlab.experiments.spec import config_identity, load_spec, parse_spec, spec
 from qkvlab.experiments.stats import paired_t, summarize
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.variants import PAPER_SHAPE, derive, paper_variants
+from qkvlab.run import lock as run_lock
 from qkvlab.run.config import load_config, save_config
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
@@ -375,11 +378,6 @@ def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_a_run_another_process_trains_is_skipped_not_failed(data_dir, tmp_path, capsys, jobs):
     """Two sweeps sharing a folder: a run whose lock a live process holds is left to it."""
-    import socket
-    import subprocess
-
-    from qkvlab.run import lock as run_lock
-
     spec = write_spec(tmp_path / "specs", data_dir)
     out = tmp_path / "sweep"
     assert main(["sweep", str(spec), "--out", str(out), "--only", "baseline", "--seeds", "1"]) == 0
