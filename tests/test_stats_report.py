@@ -153,6 +153,19 @@ grid = { lr = [0.004] }
     assert all(r["best_val_loss"] <= r["final_val_loss"] for r in data["runs"])
     assert "## Fit and generalisation" in text
 
+    # tuned: each family at the lr of its lowest mean final loss, against the baseline's best
+    def best_group(*groups):
+        return min(groups, key=lambda g: runs[(g, 1)] + runs[(g, 2)])
+
+    qid, base = best_group("qid", "qid-lr.lr0.004"), best_group("baseline", "baseline-lr.lr0.004")
+    (tuned,) = data["lr_tuned_gaps"]
+    assert (tuned["group"], tuned["reference"]) == (qid, base) and tuned["at_edge"]
+    d = [runs[(qid, s)] - runs[(base, s)] for s in (1, 2)]
+    ref = (runs[(base, 1)] + runs[(base, 2)]) / 2
+    assert tuned["relative_pct"] == pytest.approx(50 * sum(d) / ref)
+    assert "## Each family at its own best lr" in text and "optimum may lie beyond" in text
+    assert "width_tuned_gaps" not in data  # a width is not tuned per model
+
 
 def test_attention_statistics_are_measured_cached_and_archived(tmp_path, data_dir):
     from qkvlab.cli import main

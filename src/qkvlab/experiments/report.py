@@ -137,6 +137,10 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
                                "reference": w.reference, **w.as_dict()}
                               for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
+        **{f"{a.name}_tuned_gaps": [
+            {"family": w.family, a.name: w.value, "group": w.group, "reference": w.reference,
+             f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
+            for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
         "runs": [r.as_dict() for r in rep.runs()],
     }
 

@@ -109,6 +109,12 @@ class Report:
         not span that axis."""
         return {a.name: setting_gaps(self, a) for a in TREND_AXES}
 
+    @cached_property
+    def tuned_gaps(self) -> dict[str, list[SettingGap]]:
+        """Per hyperparameter axis, each family at its best value against the reference's
+        family at its best; [] where the sweep does not tune it."""
+        return {a.name: tuned_gaps(self, a) for a in TREND_AXES}
+
 
 def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupResult:
     """A group's parameter counts and its summaries over the seeds that finished."""
@@ -200,10 +206,11 @@ class TrendAxis:
     section: str  # where the setting lives in the run config
     key: str
     label: str  # the plot's x axis
+    tuned: bool = False  # a hyperparameter: also compare each family at its own best value
 
 
 TREND_AXES = (TrendAxis("width", "model", "n_embd", "width d (n_embd)"),
-              TrendAxis("lr", "optim", "lr", "peak learning rate"))
+              TrendAxis("lr", "optim", "lr", "peak learning rate", tuned=True))
 
 
 @dataclass
@@ -218,6 +225,8 @@ class SettingGap:
     best: PairedRelative  # each run's lowest validation loss: the gap with early stopping
     train: PairedRelative | None  # the training loss after 90% of the steps, where logged
     p_holm: float | None = None  # the final loss's p, Holm-adjusted over the axis's gaps
+    reference_value: float | None = None  # the reference's value, where it is not `value`
+    edge: bool = False  # tuned: a best value lies at the end of the values run
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.result.as_dict(), "p_holm": self.p_holm, "best_val": self.best.as_dict(),
@@ -237,25 +246,59 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     refs = {_settings(g): g for g in rep.groups if g.group.family == fam}
     if len({k[at] for k in refs}) < 2:
         return []
-    out = []
+    gaps = [_setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
+            if g.group.family != fam]
+    return _holm_sorted([w for w in gaps if w is not None])
+
+
+def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
+    """On a hyperparameter axis (the learning rate), each family at its own best value (lowest
+    mean final validation loss) against the reference's family at its best, the other trend
+    settings equal: is the gap a mismatch of that hyperparameter? Empty unless the reference
+    family and another family both span two or more values."""
+    fam, at = rep.baseline.group.family, TREND_AXES.index(axis)
+    if not axis.tuned:
+        return []
+    cells: dict[tuple[str, tuple[float, ...]], list[GroupResult]] = {}
     for g in rep.groups:
-        ref = refs.get(_settings(g))
-        if g.group.family == fam or ref is None:
+        if g.loss.n:
+            rest = tuple(v for i, v in enumerate(_settings(g)) if i != at)
+            cells.setdefault((g.group.family, rest), []).append(g)
+    gaps = []
+    for (family, rest), gs in cells.items():
+        refs = cells.get((fam, rest), [])
+        if family == fam or len(gs) < 2 or len(refs) < 2:
             continue
-        base = {r.seed: r for r in ref.runs if r.status == "done" and r.best}
-        pairs = [(r, base[r.seed]) for r in g.runs
-                 if r.status == "done" and r.best and r.seed in base]
-        if not pairs:
-            continue
-        logged = [(r, b) for r, b in pairs if r.train_tail is not None
-                  and b.train_tail is not None]
-        out.append(SettingGap(
-            g.group.family, _settings(g)[at], g.group.name, ref.group.name,
-            paired_relative(pairs), paired_relative(pairs, lambda r: r.best[1]),
-            paired_relative(logged, lambda r: r.train_tail) if logged else None))
-    for w, p in zip(out, holm([w.result.test.p for w in out]), strict=True):
+        best, ref = (min(c, key=lambda g: g.loss.mean) for c in (gs, refs))
+        w = _setting_gap(best, ref, at)
+        if w is not None:
+            w.reference_value = _settings(ref)[at]
+            w.edge = any(_settings(b)[at] in (min(v), max(v)) for b, v in (
+                (best, [_settings(g)[at] for g in gs]), (ref, [_settings(g)[at] for g in refs])))
+            gaps.append(w)
+    return _holm_sorted(gaps)
+
+
+def _setting_gap(g: GroupResult, ref: GroupResult | None, at: int) -> SettingGap | None:
+    """`g` paired by seed with `ref` (final, best and training loss), or None without pairs."""
+    if ref is None:
+        return None
+    base = {r.seed: r for r in ref.runs if r.status == "done" and r.best}
+    pairs = [(r, base[r.seed]) for r in g.runs
+             if r.status == "done" and r.best and r.seed in base]
+    if not pairs:
+        return None
+    logged = [(r, b) for r, b in pairs if r.train_tail is not None and b.train_tail is not None]
+    return SettingGap(
+        g.group.family, _settings(g)[at], g.group.name, ref.group.name,
+        paired_relative(pairs), paired_relative(pairs, lambda r: r.best[1]),
+        paired_relative(logged, lambda r: r.train_tail) if logged else None)
+
+
+def _holm_sorted(gaps: list[SettingGap]) -> list[SettingGap]:
+    for w, p in zip(gaps, holm([w.result.test.p for w in gaps]), strict=True):
         w.p_holm = p
-    return sorted(out, key=lambda w: (w.family, w.value))
+    return sorted(gaps, key=lambda w: (w.family, w.value))
 
 
 def mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], list[float]]:
