@@ -165,7 +165,9 @@ def test_shipped_specs_resolve():
         for reused in ("baseline", "q-identity"):
             assert config_identity(groups[reused].config) == paper[reused], (name, reused)
     lr = load_spec("cpu-lr").groups()
-    assert sorted({g.config.optim.lr for g in lr}) == [5e-4, 1e-3, 2e-3]
+    lrs = {f: sorted(g.config.optim.lr for g in lr if g.family == f)
+           for f in ("baseline", "q-identity")}
+    assert lrs == {"baseline": [5e-4, 1e-3, 2e-3], "q-identity": [5e-4, 1e-3, 2e-3, 4e-3]}
     assert all(g.config.optim.min_lr == pytest.approx(g.config.optim.lr / 10) for g in lr)
     wd = load_spec("cpu-wd-stability").groups()
     assert sorted(g.config.optim.weight_decay for g in wd if g.family == "q-identity") == \
