@@ -10,3 +10,9 @@ class QkvlabError(Exception):
     """A problem with the user's input; the message names the problem and the fix."""
 
     exit_code = 2
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise QkvlabError(message) unless `ok`: the one guard every validation step uses."""
+    if not ok:
+        raise QkvlabError(message)
