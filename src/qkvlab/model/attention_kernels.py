@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 def causal_block_rows(n_q: int) -> int:
     """Query rows per block of the causal eager path: at least 256 (below that the blocks'
-    extra ops and smaller matmuls cost what the skipped ones save), at most 4 blocks. Measured
-    on the project's CPU, bf16 (benchmarks/causal_blocks.py): a paper-shape training step
-    (batch 1 x 1,024 tokens) 3.5-5.9% faster with 4 blocks; a baby-shape one (12 x 256) no
-    different with 2 blocks of 128 (0.995)."""
+    extra ops and smaller matmuls cost what the skipped ones save), at most 4 blocks. What the
+    blocks buy is measured by benchmarks/causal_blocks.py; the result (small, not resolved at
+    the paper shape) is in benchmarks/README.md."""
     return max(256, -(-n_q // 4))
 
 
