@@ -21,12 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.run.config import RESUME_HARMLESS, save_config
 from qkvlab.run.metrics import read_metrics
-from qkvlab.train.distributed import BatchPlan, _by_index, plan_batches
+from qkvlab.train.checkpointer import by_index, by_name
+from qkvlab.train.distributed import BatchPlan, plan_batches
 from qkvlab.train.trainer import train
 
 TOL = 1e-5
@@ -136,10 +137,15 @@ def test_fsdp_optimizer_state_is_renumbered_like_a_plain_optimizer():
     t = torch.zeros(2)
     osd = {"state": {"b": {"exp_avg": t}, "a": {"exp_avg": t}, "c": {"exp_avg": t}},
            "param_groups": [{"params": ["a", "b"], "lr": 1.0}, {"params": ["c"], "lr": 2.0}]}
-    out = _by_index(osd)
+    out = by_index(osd)
     assert sorted(out["state"]) == [0, 1, 2]
     assert [g["params"] for g in out["param_groups"]] == [[0, 1], [2]]
     assert out["param_groups"][1]["lr"] == 2.0
+    # and back, as an FSDP resume hands the state to set_optimizer_state_dict
+    back = by_name(out, ["a", "b", "c"])
+    assert back["param_groups"] == osd["param_groups"]
+    assert {k: v["exp_avg"] is osd["state"][k]["exp_avg"] for k, v in back["state"].items()} \
+        == {"a": True, "b": True, "c": True}
 
 
 def test_parallel_key_is_validated_and_harmless_on_resume(data_dir, tmp_path):

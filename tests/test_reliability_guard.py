@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors import SafetensorError
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.run import checkpoint as ck
@@ -117,15 +117,19 @@ def test_disk_full_replacing_an_existing_checkpoint_puts_the_old_one_back(data_d
     before = snapshot(tmp_path / "run" / "ckpt-0000004")
     full_disk_on(monkeypatch, "ckpt-0000004", "oserror")
     from qkvlab.model import GPT
+    from qkvlab.train.checkpointer import Checkpointer
+    from qkvlab.train.distributed import DistContext, Parallel, plan_batches
     from qkvlab.train.optim import build_optimizer
 
     model = GPT(cfg.model)
+    par = Parallel(model, DistContext(torch.device("cpu")), cfg.train.parallel, False,
+                   plan_batches(cfg.train.batch_size, cfg.train.grad_accum, 1, 0))
     opt = build_optimizer(model, cfg.optim)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
     with pytest.raises(ck.CheckpointWriteError, match="the disk is full") as err:
-        store.save_checkpoint(cfg.run_dir, 4, model, opt, cfg, {}, keep_last=2)
+        Checkpointer(cfg.run_dir, cfg, par, opt).save(4, {})
     assert isinstance(err.value, OSError)  # callers catching OSError still do
     assert snapshot(tmp_path / "run" / "ckpt-0000004") == before
 
@@ -202,22 +206,25 @@ def poison(monkeypatch, steps: dict[int, str], seen: list) -> None:
     and record each step's weights and optimizer state before and after it."""
     real = trainer.train_step
 
-    def step_fn(fwd, model, optimizer, *rest, **kw):
-        step = rest[2]  # (data, cfg, step, ...)
-        kind = steps.get(step)
+    def step_fn(s, step):
+        kind, fwd = steps.get(step), s.par.fwd
 
         def bad_fwd(x, y):
             logits, loss = fwd(x, y)
             if kind == "loss":
                 return logits, loss * float("nan")
-            return logits, loss + _InfGrad.apply(model.wte.weight)
+            return logits, loss + _InfGrad.apply(s.model.wte.weight)
 
         def state():
-            return ({k: v.clone() for k, v in model.state_dict().items()},
-                    copy.deepcopy(optimizer.state_dict()["state"]))
+            return ({k: v.clone() for k, v in s.model.state_dict().items()},
+                    copy.deepcopy(s.optimizer.state_dict()["state"]))
 
         before = state()
-        rec = real(bad_fwd if kind else fwd, model, optimizer, *rest, **kw)
+        s.par.fwd = bad_fwd if kind else fwd
+        try:
+            rec = real(s, step)
+        finally:
+            s.par.fwd = fwd
         after = state()
         seen.append((step, kind, rec, before, after))
         return rec

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout
 from qkvlab.run.config import save_config
@@ -57,9 +57,7 @@ def spawn(cfg: Path, run: Path, slow: bool) -> subprocess.Popen:
 
 
 def guard_env() -> str:
-    from qkvlab.run.guard import SLOW_CKPT_ENV
-
-    return SLOW_CKPT_ENV
+    return ck.SLOW_CKPT_ENV
 
 
 def max_logged_step(run: Path) -> int:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
@@ -168,11 +168,11 @@ def _break_weights_after(monkeypatch, step_index: int, stop_at: int | None = Non
     every later step is non-finite; SIGINT the run after step `stop_at` if given."""
     real = trainer.train_step
 
-    def step_fn(fwd, model, optimizer, data, cfg, step, *rest, **kw):
-        rec = real(fwd, model, optimizer, data, cfg, step, *rest, **kw)
+    def step_fn(s, step):
+        rec = real(s, step)
         if step == step_index:
             with torch.no_grad():
-                model.wte.weight[0, 0] = math.nan
+                s.model.wte.weight[0, 0] = math.nan
         if step == stop_at:
             os.kill(os.getpid(), signal.SIGINT)
         return rec
@@ -200,7 +200,8 @@ def test_eval_refuses_nonfinite_weights(data_dir, tmp_path, capsys):
     model = GPT(cfg.model)
     with torch.no_grad():
         model.wte.weight[1].fill_(math.inf)
-    path = ck.write_checkpoint(tmp_path / "ckpt-0000003", model, cfg, state={"step": 3})
+    path = ck.write_checkpoint(tmp_path / "ckpt-0000003", model.state_dict(), cfg,
+                               state={"step": 3})
     assert main(["eval", str(path)]) == 2
     assert "holds non-finite weights" in one_line(capsys, "eval")
 

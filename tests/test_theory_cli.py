@@ -53,7 +53,8 @@ def _checkpoint(tmp_path, data_dir, **overrides):
     model = GPT(cfg)
     run = RunConfig(model=cfg, data=DataConfig(dir=str(data_dir)),
                     train=TrainConfig(eval_windows=8), name="t", out_dir=str(tmp_path / "run"))
-    ckpt = write_checkpoint(tmp_path / "run" / "ckpt-0000010", model, run, state={"step": 10})
+    ckpt = write_checkpoint(tmp_path / "run" / "ckpt-0000010", model.state_dict(), run,
+                            state={"step": 10})
     return model, ckpt
 
 

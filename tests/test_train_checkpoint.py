@@ -15,6 +15,8 @@ from qkvlab.model import GPT
 from qkvlab.run import checkpoint as ck
 from qkvlab.run import layout, load, rng, store
 from qkvlab.run.config import load_config
+from qkvlab.train.checkpointer import Checkpointer
+from qkvlab.train.distributed import DistContext, Parallel, plan_batches
 from qkvlab.train.optim import build_optimizer
 
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=16",
@@ -22,7 +24,8 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_siz
 
 
 def tiny(tmp_path: Path, *extra: str):
-    cfg = load_config("shakespeare-char", [*TINY, f"run.out_dir={tmp_path / 'run'}", *extra])
+    cfg = load_config("shakespeare-char", [*TINY, f"run.out_dir={tmp_path / 'run'}",
+                                           "train.keep_last=3", *extra])
     torch.manual_seed(0)
     model = GPT(cfg.model)
     opt = build_optimizer(model, cfg.optim)
@@ -35,9 +38,15 @@ def tiny(tmp_path: Path, *extra: str):
     return cfg, model, opt
 
 
-def save(cfg, model, opt, step: int, keep_last: int = 3) -> Path:
-    return store.save_checkpoint(cfg.run_dir, step, model, opt, cfg,
-                              {"tokens": step * 10, "best_val_loss": 2.5}, keep_last)
+def checkpointer(cfg, model, opt) -> Checkpointer:
+    """The single-process Checkpointer of `model` (keep_last: cfg.train.keep_last)."""
+    plan = plan_batches(cfg.train.batch_size, cfg.train.grad_accum, 1, 0)
+    par = Parallel(model, DistContext(torch.device("cpu")), cfg.train.parallel, False, plan)
+    return Checkpointer(cfg.run_dir, cfg, par, opt)
+
+
+def save(cfg, model, opt, step: int) -> Path:
+    return checkpointer(cfg, model, opt).save(step, {"tokens": step * 10, "best_val_loss": 2.5})
 
 
 def test_layout_manifest_and_latest(tmp_path):
@@ -91,7 +100,8 @@ def test_optimizer_and_rng_round_trip_bitwise(tmp_path):
     model2 = GPT(cfg.model)
     ck.load_model_state(model2, info)
     opt2 = build_optimizer(model2, cfg.optim)
-    ck.load_optimizer_state(opt2, info)
+    checkpointer(cfg, model2, opt2).restore(info)  # the optimizer and the RNG
+    assert torch.equal(torch.rand(3), expected_next)
     a, b = opt.state_dict(), opt2.state_dict()
     assert a["state"].keys() == b["state"].keys()
     for idx in a["state"]:
@@ -103,14 +113,14 @@ def test_optimizer_and_rng_round_trip_bitwise(tmp_path):
 
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
-    cfg, model, opt = tiny(tmp_path)
+    cfg, model, opt = tiny(tmp_path, "train.keep_last=2")
     for step in (1, 2, 3, 4):
-        save(cfg, model, opt, step, keep_last=2)
+        save(cfg, model, opt, step)
     assert [p.name for p in layout.list_checkpoints(cfg.run_dir)] == ["ckpt-0000003",
                                                                       "ckpt-0000004"]
     assert store.find_checkpoint(cfg.run_dir).name == "ckpt-0000004"
     # resaving an existing step replaces it atomically
-    save(cfg, model, opt, 4, keep_last=2)
+    save(cfg, model, opt, 4)
     ck.verify_checkpoint(cfg.run_dir / "ckpt-0000004")
     assert not list(cfg.run_dir.glob(".old-*"))
 
@@ -220,12 +230,12 @@ def test_incompatible_config_is_refused(tmp_path):
 
 def test_best_checkpoint_has_no_optimizer(tmp_path):
     cfg, model, opt = tiny(tmp_path)
-    best = ck.write_checkpoint(cfg.run_dir / "best", model, cfg, state={"step": 3})
+    best = ck.write_checkpoint(cfg.run_dir / "best", model.state_dict(), cfg, state={"step": 3})
     assert not (best / "optimizer.safetensors").exists()
     info = store.read_checkpoint(best)
     assert not info.has_optimizer and info.step == 3
     with pytest.raises(QkvlabError, match="no optimizer state"):
-        ck.load_optimizer_state(opt, info)
+        ck.read_optimizer_state(info, opt.state_dict())
     # a run folder with only best/ still finds it
     assert store.find_checkpoint(cfg.run_dir) == best
     with pytest.raises(QkvlabError, match="does not exist"):

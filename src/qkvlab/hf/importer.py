@@ -318,7 +318,7 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
     tmp = dest.parent / f".tmp-import-{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     diff = None
     try:
-        write_checkpoint(tmp, model, run_cfg, state=state)
+        write_checkpoint(tmp, model.state_dict(), run_cfg, state=state)
         if tok.files:
             (tmp / TOKENIZER_DIR).mkdir()
             for fname, data in tok.files.items():

@@ -171,7 +171,7 @@ def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport,
                                   data=data_cfg or ckpt.config.data)
     state = {"step": ckpt.step, "kind": "retrofit", "val_loss": report.after_heal,
              "retrofit": report.as_dict()}
-    write_checkpoint(dest, student, new_cfg, state=state)
+    write_checkpoint(dest, student.state_dict(), new_cfg, state=state)
     carry_tokenizer(ckpt, dest)  # so `qkvlab sample` finds it
     report.dest = dest
     return dest

@@ -11,7 +11,12 @@ A checkpoint is a folder (`ckpt-0001000/`, or `best/`) holding
 Nothing is ever unpickled: there is no torch.load here, only safetensors and json. A folder is
 first written as `.tmp-ckpt-*` next to its destination, fsync'd and then renamed, so a crash
 leaves either the old checkpoint or the new one, never half of one. Which checkpoint of a run
-to read, and which to keep, is run/store.py's business.
+to read, and which to keep, is run/store.py's business; saving and restoring a training run,
+on every process of a job, is train/checkpointer.py's.
+
+The writer and the reader take plain state dicts (a model's `state_dict()`, an optimizer's
+`state_dict()`), so a sharded model's gathered states are written like any other.
+`on_write_stage` is the one fault-injection hook of every checkpoint write (crash tests).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -35,7 +41,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file
 from qkvlab.model import ModelConfig
 from qkvlab.run import guard
-from qkvlab.run.config import RunConfig, read_config_source
+from qkvlab.run.config import RunConfig, read_config_source, saved_config
 from qkvlab.run.layout import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -68,24 +74,57 @@ class CheckpointWriteError(QkvlabError, OSError):
     """
 
 
+# ---- crash-test fault injection ----------------------------------------------------------
+SLOW_CKPT_ENV = "QKVLAB_TEST_SLOW_CKPT"
+# Every point of a checkpoint write where a crash must leave a run that resumes: the files of
+# the folder, the swap with an older folder of the same name, then (train/checkpointer.py) the
+# run's `latest` and the pruning of old checkpoints.
+WRITE_STAGES = (
+    "model written",
+    "optimizer written",
+    "state written",
+    "manifest written",
+    "old checkpoint renamed aside",
+    "checkpoint complete, latest not yet updated",
+    "latest updated, not yet pruned",
+)
+
+
+def on_write_stage(stage: str) -> None:
+    """The fault-injection hook, called as each of WRITE_STAGES completes (a test hook).
+
+    With QKVLAB_TEST_SLOW_CKPT=SECONDS in the environment it sleeps that long, so a crash test
+    can SIGKILL a real training process in the middle of a write deterministically; a value
+    that is not a number in (0, 60) is ignored, and unset it costs one dict lookup. In-process
+    tests replace this function to fail at a chosen stage.
+    """
+    assert stage in WRITE_STAGES, stage
+    raw = os.environ.get(SLOW_CKPT_ENV)
+    if not raw:
+        return
+    try:
+        seconds = float(raw)
+    except ValueError:
+        return
+    if 0 < seconds < 60:
+        time.sleep(seconds)
+
+
 # ---- tensors -> files ---------------------------------------------------------------------
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain module behind torch.compile (its state_dict keys carry no `_orig_mod.`)."""
     return getattr(model, "_orig_mod", model)
 
 
-def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """state_dict on the CPU; a tied head is dropped (safetensors refuses shared tensors)."""
-    model = unwrap(model)
-    sd = model.state_dict()
-    if getattr(getattr(model, "cfg", None), "tie_embeddings", False):
-        sd.pop(TIED_KEY, None)
-    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+def model_tensors(sd: dict[str, torch.Tensor], tied: bool) -> dict[str, torch.Tensor]:
+    """A model state dict on the CPU; with `tied`, the head is dropped (safetensors refuses
+    shared tensors, and wte.weight holds it)."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()
+            if not (tied and k == TIED_KEY)}
 
 
-def optimizer_payload(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors for optimizer.safetensors, JSON-able rest of optimizer.state_dict())."""
-    sd = optimizer.state_dict()
+def optimizer_payload(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors for optimizer.safetensors, JSON-able rest) of an optimizer.state_dict()."""
     tensors: dict[str, torch.Tensor] = {}
     other: dict[str, dict[str, Any]] = {}
     for idx, pstate in sd["state"].items():
@@ -117,18 +156,19 @@ def _finite_or_none(x: float | None) -> float | None:
     return float(x) if x is not None and np.isfinite(x) else None
 
 
-def _write_files(tmp: Path, model: nn.Module, cfg: RunConfig,
-                 optimizer: torch.optim.Optimizer | None, state: dict[str, Any] | None) -> None:
+def _write_files(tmp: Path, model: dict[str, torch.Tensor], cfg: RunConfig,
+                 optimizer: dict[str, Any] | None, state: dict[str, Any] | None) -> None:
     """Model, optimizer, state.json and the manifest into the fresh folder `tmp`, fsync'd."""
     files = [MODEL_FILE]
-    save_file(model_tensors(model), str(tmp / MODEL_FILE), metadata={"format": "pt"})
-    guard.slow_ckpt_pause("model written")  # test hook: lets crash tests kill mid-write
+    save_file(model_tensors(model, cfg.model.tie_embeddings), str(tmp / MODEL_FILE),
+              metadata={"format": "pt"})
+    on_write_stage("model written")
     opt_json = None
     if optimizer is not None:
         opt_tensors, opt_json = optimizer_payload(optimizer)
         save_file(opt_tensors, str(tmp / OPTIM_FILE), metadata={"format": "pt"})
         files.append(OPTIM_FILE)
-        guard.slow_ckpt_pause("optimizer written")
+        on_write_stage("optimizer written")
     info = dict(state or {})
     for key in ("best_val_loss", "val_loss", "train_loss"):
         if key in info:
@@ -147,7 +187,7 @@ def _write_files(tmp: Path, model: nn.Module, cfg: RunConfig,
     (tmp / STATE_FILE).write_text(
         json.dumps(full, indent=1, default=_json_default) + "\n", encoding="utf-8")
     files.append(STATE_FILE)
-    guard.slow_ckpt_pause("state written")
+    on_write_stage("state written")
     manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "files": {}}
     for name in files:
         fsync_file(tmp / name)
@@ -158,20 +198,23 @@ def _write_files(tmp: Path, model: nn.Module, cfg: RunConfig,
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
-    guard.slow_ckpt_pause("manifest written")
+    on_write_stage("manifest written")
 
 
 def write_checkpoint(
     dest: Path,
-    model: nn.Module,
+    model: dict[str, torch.Tensor],
     cfg: RunConfig,
     *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: dict[str, Any] | None = None,
     state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint folder at `dest` atomically (replacing an old one there).
 
-    `state` adds fields such as step, tokens and best_val_loss to state.json.
+    `model` is the model's state_dict (of the plain module, not a torch.compile wrapper; a
+    tied head is stored once, as wte.weight), `optimizer` an optimizer.state_dict() numbered
+    by parameter index, `state` adds fields such as step, tokens and best_val_loss to
+    state.json.
     """
     dest = Path(dest)
     parent = dest.parent
@@ -185,7 +228,7 @@ def write_checkpoint(
             # Rename the old folder aside first: rename() cannot replace a non-empty folder.
             old = parent / f"{OLD_PREFIX}{dest.name}-{uuid.uuid4().hex[:8]}"
             os.replace(dest, old)
-            guard.slow_ckpt_pause("old checkpoint renamed aside")
+            on_write_stage("old checkpoint renamed aside")
         os.replace(tmp, dest)
         fsync_dir(parent)
     except BaseException as exc:
@@ -331,7 +374,7 @@ def open_checkpoint(ckpt: Path) -> Checkpoint:
     verify_checkpoint(ckpt)
     state = _read_state(ckpt)
     try:
-        cfg = RunConfig.from_dict(state["config"])
+        cfg = saved_config(state["config"])  # as the version that wrote it meant it
     except QkvlabError as exc:
         raise QkvlabError(f"checkpoint {ckpt} holds a config this qkvlab rejects: {exc}"
                           ) from None
@@ -421,20 +464,26 @@ def load_model_state(model: nn.Module, ckpt: Checkpoint) -> None:
         assert model.lm_head.weight is model.wte.weight
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> None:
-    """Restore AdamW's moments and step counts (bitwise) from optimizer.safetensors."""
+def read_optimizer_state(ckpt: Checkpoint, current: dict[str, Any],
+                         shapes: list[tuple[int, ...]] | None = None) -> dict[str, Any]:
+    """AdamW's moments and step counts of `ckpt` as an optimizer.state_dict(), bitwise.
+
+    `current` is the state_dict() of the optimizer it is meant for and `shapes` the shapes of
+    that optimizer's parameters in index order (None: not checked); everything is checked
+    against them before the caller loads anything.
+    """
     if not ckpt.has_optimizer:
         raise QkvlabError(f"checkpoint {ckpt.path} has no optimizer state (a best/ or converted "
                           "checkpoint): resume from a ckpt-* folder")
     meta = ckpt.state["optimizer"]
     tensors = _load_tensors(ckpt.path / OPTIM_FILE, "optimizer")
-    current = optimizer.state_dict()["param_groups"]
+    groups_now = current["param_groups"]
     saved = meta["param_groups"]
-    if len(saved) != len(current) or any(len(a["params"]) != len(b["params"])
-                                         for a, b in zip(saved, current, strict=True)):
+    if len(saved) != len(groups_now) or any(len(a["params"]) != len(b["params"])
+                                            for a, b in zip(saved, groups_now, strict=True)):
         raise QkvlabError(f"checkpoint {ckpt.path} has optimizer state for other parameters: "
                           "resume with the config the run was started with")
-    problem = optimizer_problem(optimizer, current, saved, tensors,
+    problem = optimizer_problem(shapes, groups_now, saved, tensors,
                                 meta.get("nontensor_state", {}))
     if problem is None and "tensors" in meta and meta["tensors"] != sorted(tensors):
         problem = f"{OPTIM_FILE} holds other tensors than state.json lists"
@@ -447,7 +496,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> 
     for idx, rest in meta.get("nontensor_state", {}).items():
         state.setdefault(int(idx), {}).update(rest)
     groups = []
-    for s, c in zip(saved, current, strict=True):
+    for s, c in zip(saved, groups_now, strict=True):
         g = dict(s)
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
@@ -455,4 +504,4 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ckpt: Checkpoint) -> 
             if key in c:
                 g[key] = c[key]
         groups.append(g)
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return {"state": state, "param_groups": groups}

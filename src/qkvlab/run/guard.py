@@ -1,6 +1,6 @@
-"""Guards for long runs: resource sanity checks, storage errors, and crash-test hooks.
+"""Guards for long runs: resource sanity checks, storage errors, non-finite weights.
 
-Four small concerns that the trainer, the checkpoint writer and the commands share:
+Three small concerns that the trainer, the checkpoint writer and the commands share:
 
 * `check_bytes` / `train_memory_check` / `model_memory_check` refuse absurd configs (a
   4-trillion-parameter model, a batch of a billion windows) with a one-line `QkvlabError`
@@ -11,10 +11,8 @@ Four small concerns that the trainer, the checkpoint writer and the commands sha
   that says what was being written and which checkpoint is still good.
 * `weights_finite` tells whether a model's weights may be saved as a checkpoint: one with a
   NaN or inf could be neither resumed nor evaluated.
-* `slow_ckpt_pause` is a *test hook*: with QKVLAB_TEST_SLOW_CKPT=SECONDS in the environment, the
-  checkpoint writer sleeps that long between its files, so a test can SIGKILL a real training
-  process in the middle of a checkpoint write deterministically. Unset (the default) it costs
-  one dict lookup.
+
+(The crash-test hook of checkpoint writes is run/checkpoint.py's `on_write_stage`.)
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import time
 
 import torch
 
@@ -30,7 +27,6 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.params import count_params
 
-SLOW_CKPT_ENV = "QKVLAB_TEST_SLOW_CKPT"
 GIB = 1 << 30
 # errno -> what the user is told; these are problems of the machine, not bugs of qkvlab
 STORAGE_ERRNOS: dict[int, str] = {
@@ -43,22 +39,6 @@ STORAGE_ERRNOS: dict[int, str] = {
     errno.EIO: "an I/O error occurred",
 }
 _OS_ERROR_RE = re.compile(r"os error (\d+)")
-
-
-def slow_ckpt_pause(point: str) -> None:
-    """Sleep QKVLAB_TEST_SLOW_CKPT seconds (test hook; `point` names the place, for debugging).
-
-    Only crash tests set the variable; a value that is not a positive number is ignored.
-    """
-    raw = os.environ.get(SLOW_CKPT_ENV)
-    if not raw:
-        return
-    try:
-        seconds = float(raw)
-    except ValueError:
-        return
-    if 0 < seconds < 60:
-        time.sleep(seconds)
 
 
 # ---- storage errors -----------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Which checkpoints a run folder keeps and which one a reader gets.
 
-The policy: a training checkpoint is `ckpt-{step}`, `latest` names the newest one, all but the
-newest keep_last are pruned, `best/` holds the lowest val loss (written by the trainer through
-checkpoint.write_checkpoint). A reader given a run folder gets `latest`, else the newest
-ckpt-* that verifies, else best/.
+The policy: a training checkpoint is `ckpt-{step}`, `latest` names the newest one
+(`point_latest`), all but the newest keep_last are pruned (`prune`), `best/` holds the lowest
+val loss; train/checkpointer.py writes them in that order. A reader given a run folder gets
+`latest`, else the newest ckpt-* that verifies, else best/.
 """
 
 from __future__ import annotations
@@ -12,10 +12,6 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
 
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import write_text_atomic
@@ -27,9 +23,7 @@ from qkvlab.run.checkpoint import (
     checkpoint_problem,
     last_good_checkpoint,
     open_checkpoint,
-    write_checkpoint,
 )
-from qkvlab.run.config import RunConfig
 from qkvlab.run.layout import (
     BEST_DIR,
     CKPT_RE,
@@ -38,37 +32,26 @@ from qkvlab.run.layout import (
     TMP_PREFIX,
     TOKENIZER_DIR,
     TRASH_PREFIX,
-    ckpt_name,
     is_checkpoint_dir,
     list_checkpoints,
 )
 
 
-def save_checkpoint(
-    run_dir: Path,
-    step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    cfg: RunConfig,
-    state: dict[str, Any],
-    keep_last: int,
-) -> Path:
-    """Write ckpt-{step}, point `latest` at it, and prune all but the newest keep_last."""
-    run_dir = Path(run_dir)
-    path = write_checkpoint(run_dir / ckpt_name(step), model, cfg, optimizer=optimizer,
-                            state={**state, "step": step, "kind": "train"})
-    guard.slow_ckpt_pause("checkpoint complete, latest not yet updated")
+def point_latest(run_dir: Path, ckpt: Path) -> None:
+    """Make `latest` name the complete checkpoint `ckpt` (atomically)."""
     try:
-        write_text_atomic(run_dir / LATEST_FILE, path.name + "\n")
+        write_text_atomic(run_dir / LATEST_FILE, ckpt.name + "\n")
     except OSError as exc:
         # the new checkpoint is complete; `latest` still names the previous one
         raise CheckpointWriteError(guard.storage_message(
             f"updating {run_dir / LATEST_FILE}", exc, last_good_checkpoint(run_dir))) from exc
-    guard.slow_ckpt_pause("latest updated, not yet pruned")
+
+
+def prune(run_dir: Path, keep_last: int, keep: Path) -> None:
+    """Remove all but the newest keep_last ckpt-* folders (never `keep`, the one just written)."""
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        if old != path:
+        if old != keep:
             _discard(old)
-    return path
 
 
 def _discard(path: Path) -> None:

@@ -74,20 +74,20 @@ def _groups_problem(current: list[dict[str, Any]], saved: list[dict[str, Any]]) 
     return None
 
 
-def optimizer_problem(optimizer: Any, current: list[dict[str, Any]], saved: list[dict[str, Any]],
-                      tensors: dict[str, torch.Tensor], nontensor: Any) -> str | None:
+def optimizer_problem(shapes: list[tuple[int, ...]] | None, current: list[dict[str, Any]],
+                      saved: list[dict[str, Any]], tensors: dict[str, torch.Tensor],
+                      nontensor: Any) -> str | None:
     """What in a saved optimizer state would crash or corrupt AdamW later, or None.
 
     Checked before anything is loaded: the parameter indices of each group, the kind of each
     hyperparameter (a string lr would only fail at the first step), the tensor names, and the
-    moments' shapes against the parameters (load_state_dict does not compare shapes).
+    moments' shapes against `shapes`, the parameters' in index order, when given
+    (load_state_dict does not compare shapes).
     """
     problem = _groups_problem(current, saved)
     if problem:
         return problem
     indices = [i for c in current for i in c["params"]]
-    live = getattr(optimizer, "param_groups", None)  # absent on a stand-in (FSDP's capture)
-    params = [p for g in live for p in g["params"]] if live is not None else None
     for key, value in tensors.items():
         parts = key.split(".", 2)
         if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit() \
@@ -96,8 +96,8 @@ def optimizer_problem(optimizer: Any, current: list[dict[str, Any]], saved: list
         idx, name = int(parts[1]), parts[2]
         if not value.is_floating_point():
             return f"{key} is {value.dtype}, not floating point"
-        if params is not None and idx < len(params):
-            want = () if name == "step" else tuple(params[idx].shape)
+        if shapes is not None and idx < len(shapes):
+            want = () if name == "step" else tuple(shapes[idx])
             if name in (*_MOMENTS, "step") and tuple(value.shape) != want:
                 return f"{key} has shape {list(value.shape)}, the parameter {list(want)}"
     if not isinstance(nontensor, dict):

@@ -110,7 +110,7 @@ def convert_checkpoint(path: str | Path, to: str = "q-identity", out: str | Path
         "max_logit_diff": saved.max_logit_diff,
         "val_loss": saved.val_loss_after,
     }
-    write_checkpoint(dest, new, new_cfg, state=state)
+    write_checkpoint(dest, new.state_dict(), new_cfg, state=state)
     # Sampling looks for the run's tokenizer next to the checkpoint: bring a copy along.
     carry_tokenizer(ckpt, dest)
     eps = torch.finfo(next(new.parameters()).dtype).eps

@@ -22,9 +22,8 @@ import inspect
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,10 +33,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from qkvlab.errors import QkvlabError
-from qkvlab.run.checkpoint import load_optimizer_state
 from qkvlab.run.config import PARALLEL
 from qkvlab.run.device import autocast, evaluate
-from qkvlab.run.rng import rng_state, set_rng_state
 
 PARALLEL_MODES = PARALLEL  # the train.parallel choices
 _ENV_KEYS = ("RANK", "WORLD_SIZE")
@@ -288,48 +285,13 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 # ---- the model as trained -------------------------------------------------------------------
-class _FullModel:
-    """A gathered state dict that checkpoint.model_tensors can save like a model."""
-
-    def __init__(self, cfg: Any, tensors: dict[str, torch.Tensor]):
-        self.cfg = cfg
-        self._tensors = tensors
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._tensors
-
-
-class _FullOptimizer:
-    """A gathered optimizer state, keyed by parameter index like optimizer.state_dict()."""
-
-    def __init__(self, sd: dict[str, Any]):
-        self._sd = sd
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._sd
-
-
-class _CaptureLoad:
-    """Stands in for an optimizer so checkpoint.load_optimizer_state validates and assembles
-    the full state without loading it; `loaded` is what it would have loaded."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self._optimizer = optimizer
-        self.loaded: dict[str, Any] | None = None
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._optimizer.state_dict()
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.loaded = sd
-
-
 class Parallel:
     """The model as this process trains it: plain, DDP-wrapped or FSDP2-sharded, maybe compiled.
 
     `module` is the GPT itself (sharded in place under FSDP), `fwd` what forward passes call.
     Build it after loading a checkpoint's weights into `module` and before the optimizer: FSDP
     shards the parameters that exist at that moment, and the optimizer must hold the shards.
+    Saving and restoring its states is train/checkpointer.py's.
     """
 
     def __init__(self, module: nn.Module, ctx: DistContext, mode: str, use_compile: bool,
@@ -428,98 +390,3 @@ class Parallel:
             self.fwd.train(was_training)
         total, count = self.ctx.sum(total, float(count))
         return total / count
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def save(self, write: Callable[[Any, Any, dict[str, Any]], Path],
-             optimizer: torch.optim.Optimizer | None) -> Path | None:
-        """Call write(model, optimizer, extra_state) on rank 0 with full (unsharded) states.
-
-        Every process must call this: FSDP gathers the shards and the RNG states of all ranks
-        are collected (collectives), and the others wait at a barrier until the checkpoint is
-        complete, so nobody runs ahead of a checkpoint it might need. Returns the path on every
-        process.
-        """
-        extra: dict[str, Any] = {}
-        if self.ctx.enabled:
-            # per-rank RNGs (dropout): an exact resume on the same world size restores each
-            extra = {"rng_ranks": self.ctx.gather(rng_state())}
-        model, optim = self._full_states(optimizer)
-        path = None
-        if self.ctx.is_main:
-            path = write(model, optim, extra)
-        path = self.ctx.broadcast(str(path) if path is not None else None)
-        return Path(path) if path is not None else None
-
-    def _full_states(self, optimizer: torch.optim.Optimizer | None) -> tuple[Any, Any]:
-        if self.mode != "fsdp":
-            return self.module, optimizer  # every rank holds the full, identical state
-        # FSDP only, like _shard's imports
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        # full_state_dict + cpu_offload: rank 0 receives whole CPU tensors, the others nothing
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        tensors = get_model_state_dict(self.module, options=opts)
-        osd = get_optimizer_state_dict(self.module, optimizer, options=opts) \
-            if optimizer is not None else None
-        if not self.ctx.is_main:
-            return None, None
-        model = _FullModel(getattr(self.module, "cfg", None), tensors)
-        return model, (_FullOptimizer(_by_index(osd)) if osd is not None else None)
-
-    def load_optimizer(self, optimizer: torch.optim.Optimizer, ckpt: Any) -> None:
-        """Restore the optimizer from a checkpoint written by any world size and mode."""
-        if self.mode != "fsdp":
-            load_optimizer_state(optimizer, ckpt)
-            return
-        # FSDP only, like _shard's imports
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        capture = _CaptureLoad(optimizer)
-        load_optimizer_state(capture, ckpt)  # the checks and assembly the plain path does
-        assert capture.loaded is not None
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        fqns = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        sd = capture.loaded
-        full = {
-            "state": {fqns[int(i)]: s for i, s in sd["state"].items()},
-            "param_groups": [{**g, "params": [fqns[int(i)] for i in g["params"]]}
-                             for g in sd["param_groups"]],
-        }
-        # every process passes the full state and keeps its own shard of it
-        set_optimizer_state_dict(self.module, optimizer, full,
-                                 options=StateDictOptions(full_state_dict=True))
-
-    def restore_rng(self, state: dict[str, Any], seed: int, step: int) -> None:
-        """Each rank's RNG state of a checkpoint, when it was saved with this world size."""
-        ranks = state.get("rng_ranks")
-        if isinstance(ranks, list) and len(ranks) == self.ctx.world_size:
-            set_rng_state(ranks[self.ctx.rank])
-        elif self.ctx.is_main:
-            set_rng_state(state["rng"])
-        else:
-            # another world size: this rank had no stream of its own, so start a fresh one
-            torch.manual_seed(rank_seed(seed + step, self.ctx.rank))
-
-
-def _by_index(osd: dict[str, Any]) -> dict[str, Any]:
-    """A fully-qualified-name keyed optimizer state dict -> optimizer.state_dict()'s layout.
-
-    Indices run over the parameter groups in order, exactly as a plain optimizer numbers them,
-    so the checkpoint is the one a single process would write.
-    """
-    index: dict[str, int] = {}
-    groups = []
-    for group in osd["param_groups"]:
-        ids = []
-        for fqn in group["params"]:
-            index.setdefault(fqn, len(index))
-            ids.append(index[fqn])
-        groups.append({**group, "params": ids})
-    return {"state": {index[k]: v for k, v in osd["state"].items()}, "param_groups": groups}

@@ -1,15 +1,14 @@
 """Setting up a training session: everything `train` checks, builds and restores before step 1.
 
 `setup` returns a `Session`: the run's inputs (config, data, fixed validation windows), the
-model as this process trains it, the optimizer, what a checkpoint restored, and the mutable
-`TrainState` the steps update. The steps (train/steps.py) take the session as an argument,
-so each can be called on its own in a test.
+model as this process trains it, the optimizer, its Checkpointer, what a checkpoint restored,
+and the loop's state (train/loop_state.py). The steps (train/steps.py) take the session as an
+argument, so each can be called on its own in a test.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,31 +29,10 @@ from qkvlab.run.layout import CONFIG_FILE, METRICS_FILE, list_checkpoints
 from qkvlab.run.load import check_vocab, copy_tokenizer, open_data
 from qkvlab.run.metrics import MetricsLog, NullLog, check_metrics
 from qkvlab.train import distributed, objectives
+from qkvlab.train.checkpointer import Checkpointer
+from qkvlab.train.loop_state import LoopState, Throughput
 from qkvlab.train.optim import build_optimizer
 from qkvlab.train.progress import Reporter, open_tensorboard
-
-
-@dataclass
-class TrainState:
-    """What changes from step to step (and what a checkpoint restores of it)."""
-
-    step: int = 0
-    best_val_loss: float = math.inf
-    last_val_loss: float | None = None
-    last_val_step: int | None = None  # the step whose weights last_val_loss measured
-    last_ckpt: Path | None = None
-    # The newest checkpoint known to hold weights that work: an eval of them gave a finite
-    # val loss, or the step after them a finite training loss. `pending` is one saved since
-    # the last update whose weights are not yet judged (a finite step promotes it).
-    last_good: Path | None = None
-    pending: Path | None = None
-    nonfinite: int = 0
-    skipped: int = 0  # non-finite steps skipped over the whole run
-    session_tokens: int = 0
-    session_time: float = 0.0
-    window_tokens: int = 0  # since the last log line, for its tokens/s
-    window_time: float = 0.0
-    history: list[float] = field(default_factory=list)  # recent step times, for the ETA
 
 
 @dataclass
@@ -74,12 +52,14 @@ class Session:
     model: GPT
     par: distributed.Parallel
     optimizer: torch.optim.Optimizer
-    st: TrainState
+    checkpointer: Checkpointer
+    st: LoopState
     start_step: int
     params: ParamCount
     fpt: float  # model FLOPs per token
     peak: float  # peak FLOP/s of all devices, for MFU
     peak_src: str
+    clock: Throughput = field(default_factory=Throughput)
     # opened by open_outputs, closed by close_outputs
     metrics: Any = None
     tb: Any = None
@@ -162,45 +142,21 @@ def build_model(cfg: RunConfig, ctx: distributed.DistContext, ckpt: Checkpoint |
     return model, par, optimizer
 
 
-def restore(ckpt: Checkpoint | None, resume: bool, cfg: RunConfig, run_dir: Path,
-            ctx: distributed.DistContext, par: distributed.Parallel,
-            optimizer: torch.optim.Optimizer, say: Callable[[str], None]) -> TrainState:
+def restore(ckpt: Checkpoint | None, resume: bool, ctx: distributed.DistContext,
+            checkpointer: Checkpointer, say: Callable[[str], None]) -> LoopState:
     """The optimizer, RNG and loop state of the checkpoint (a fresh state without one)."""
-    st = TrainState()
-    if ckpt is not None:
-        par.load_optimizer(optimizer, ckpt)
-        par.restore_rng(ckpt.state, cfg.train.seed, ckpt.step)
-        saved_world = int(ckpt.state.get("world_size", 1))
-        if saved_world != ctx.world_size:
-            say(f"{ckpt.path.name} was written by {saved_world} process(es), this run has "
-                f"{ctx.world_size}: the global batch and its data stream are the same")
-        st.step = ckpt.step
-        st.best_val_loss = ckpt.state.get("best_val_loss") or math.inf
-        st.last_val_loss = ckpt.state.get("val_loss")
-        st.last_val_step = _int_or_none(ckpt.state.get("val_loss_step"))
-        st.last_ckpt = ckpt.path
-        st.last_good = _checkpoint_named(run_dir, ckpt.state.get("last_good"))
-        if st.last_val_step == ckpt.step:  # an eval judged exactly these weights
-            if st.last_val_loss is not None and math.isfinite(st.last_val_loss):
-                st.last_good = ckpt.path
-        else:
-            st.pending = ckpt.path
-        st.skipped = ckpt.state.get("skipped_steps", 0)
-        say(f"resuming {run_dir} from {ckpt.path.name} (step {st.step})")
-    elif resume:
-        say(f"no checkpoint in {run_dir}: starting fresh")
+    if ckpt is None:
+        if resume:
+            say(f"no checkpoint in {checkpointer.run_dir}: starting fresh")
+        return LoopState()
+    checkpointer.restore(ckpt)
+    saved_world = int(ckpt.state.get("world_size", 1))
+    if saved_world != ctx.world_size:
+        say(f"{ckpt.path.name} was written by {saved_world} process(es), this run has "
+            f"{ctx.world_size}: the global batch and its data stream are the same")
+    st = LoopState.resumed(ckpt)
+    say(f"resuming {checkpointer.run_dir} from {ckpt.path.name} (step {st.step})")
     return st
-
-
-def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _checkpoint_named(run_dir: Path, name: Any) -> Path | None:
-    """The checkpoint folder a state.json names (None unless it is a ckpt-* of this run)."""
-    if not isinstance(name, str) or not name.startswith("ckpt-") or "/" in name:
-        return None
-    return run_dir / name if (run_dir / name).is_dir() else None
 
 
 def setup(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
@@ -219,7 +175,8 @@ def setup(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     ctx.agree((ckpt.path.name if ckpt else None, data.train_tokens, data.val_tokens),
               "checkpoints or data")
     model, par, optimizer = build_model(cfg, ctx, ckpt, plan)
-    st = restore(ckpt, resume, cfg, run_dir, ctx, par, optimizer, say)
+    checkpointer = Checkpointer(run_dir, cfg, par, optimizer)
+    st = restore(ckpt, resume, ctx, checkpointer, say)
     # Written only now that config, data and checkpoint have all been accepted: a refused
     # input leaves the run folder as it was. The saved config names its folder, so
     # `qkvlab train RUN_DIR --resume` finds it again.
@@ -229,7 +186,8 @@ def setup(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     peak, peak_src = peak_flops_for(ctx.device, tc.dtype, tc.peak_flops)
     s = Session(cfg=cfg, run_dir=run_dir, ctx=ctx, say=say, quiet=quiet, ckpt=ckpt, data=data,
                 val_x=val_x, val_y=val_y, plan=plan, model=model, par=par, optimizer=optimizer,
-                st=st, start_step=st.step, params=count_params(cfg.model),
+                checkpointer=checkpointer, st=st, start_step=st.step,
+                params=count_params(cfg.model),
                 fpt=flops_per_token(cfg.model, cfg.model.block_size),
                 # tokens/s counts the whole job, so MFU is against all devices
                 peak=peak * ctx.world_size, peak_src=peak_src)

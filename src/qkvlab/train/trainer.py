@@ -4,8 +4,9 @@ Exact resume rests on three facts: batches are a pure function of (seed, step, m
 checkpoint restores model, optimizer and RNG states bit for bit, and nothing else carries state
 between steps. So N steps straight and N/2 steps + resume give the same losses on a CPU.
 
-`train` is the entry point; train/session.py sets a session up and train/steps.py holds the
-steps this loop calls.
+`train` is the entry point; train/session.py sets a session up, train/steps.py holds the
+steps this loop calls, train/loop_state.py what it remembers between them and
+train/checkpointer.py what it saves and restores.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from qkvlab.train.progress import StopFlag
 from qkvlab.train.session import Session, close_outputs, open_outputs, setup
 from qkvlab.train.steps import (
     check_divergence,
-    judge_step,
-    log_step,
-    run_eval,
+    evaluate,
+    keep_best,
     save,
+    show_step,
     summary,
     train_step,
     val_loss,
@@ -44,6 +45,8 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     Returns the summary also written to summary.json (final val loss, tokens/s, params, ...).
     """
     run_dir = cfg.run_dir
+    # config.toml and state.json name the attention kernel the run trains on, never "auto"
+    cfg = cfg.on_device(resolve_device(cfg.train.device).type)
     # refuse an absurd config before anything is allocated, locked or written
     guard.train_memory_check(cfg, resolve_device(cfg.train.device))
     # under torchrun every process runs this; rank 0 alone holds the lock and writes files
@@ -79,31 +82,43 @@ def loop(s: Session) -> int | None:
     tc, st = s.cfg.train, s.st
     with StopFlag() as stop:
         s.model.train()
-        if s.ckpt is None:
+        if s.ckpt is None:  # a fresh run: the initial weights' val loss is step 0's record
             rec0 = {"step": 0, "tokens": 0, "lr": lr_at(0, s.cfg.optim, tc.max_steps)}
-            run_eval(s, 0, rec0)
+            keep_best(s, 0, evaluate(s, 0, rec0))
             s.metrics.write(rec0)
         for step in range(s.start_step, tc.max_steps):
-            # looked up here at each call, so a test can wrap the step
-            rec = train_step(s.par.fwd, s.model, s.optimizer, s.data, s.cfg, step, s.device,
-                             st, s.par)
+            rec = train_step(s, step)  # looked up here at each call, so a test can wrap it
             done = step + 1
-            st.step = done
-            judge_step(st, rec)
-            log_step(s, done, rec)  # before the divergence check: the step it names is logged
-            check_divergence(s, rec, done)
+            st.stepped(done, finite=rec["loss"] is not None)
+            evaluating = _due(done, tc.eval_interval, tc.max_steps)
+            logged = evaluating or rec["loss"] is None or done % tc.log_interval == 0
+            show_step(s, done, rec, logged)
+            if evaluating:
+                keep_best(s, done, evaluate(s, done, rec))
+            if logged:
+                s.metrics.write({"step": done, **rec})
+            check_divergence(s, done)  # after the log: the step it names is logged
             # all processes stop at the same step, even if the signal reached only some
             if s.ctx.any(stop.signum is not None):
-                kept = "checkpoint" if save(s, done) else \
-                    "its weights are not finite, so none was written; the newest checkpoint is"
-                s.reporter.line(f"stopped by signal {stop.signum} at step {done}; {kept} "
-                                f"{st.last_ckpt}")
+                _stopped(s, done, stop.signum)
                 # the signal every process saw (SIGINT when only some saw one)
                 return stop.signum or signal.SIGINT
             # no regular checkpoint inside a non-finite streak: it would rotate good ones
             # out (keep_last) in favour of the weights that keep failing
-            if (done % tc.ckpt_interval == 0 or done == tc.max_steps) and st.nonfinite == 0:
+            if _due(done, tc.ckpt_interval, tc.max_steps) and st.nonfinite == 0:
                 save(s, done)
-        if s.start_step >= tc.max_steps and s.ckpt is not None:
-            st.last_val_loss, st.last_val_step = val_loss(s, {}), st.step
+        if s.start_step >= tc.max_steps and s.ckpt is not None:  # finished: only re-evaluate
+            st.measured(st.step, val_loss(s, {}))
     return None
+
+
+def _due(done: int, interval: int, max_steps: int) -> bool:
+    """Whether something done every `interval` steps (and after the last) is due at `done`."""
+    return done % interval == 0 or done == max_steps
+
+
+def _stopped(s: Session, done: int, signum: int | None) -> None:
+    """The checkpoint of a run stopped by a signal after step `done`, and the line saying so."""
+    kept = "checkpoint" if save(s, done) else \
+        "its weights are not finite, so none was written; the newest checkpoint is"
+    s.reporter.line(f"stopped by signal {signum} at step {done}; {kept} {s.st.last_ckpt}")
