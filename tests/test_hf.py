@@ -51,7 +51,7 @@ def random_gpt(cfg: ModelConfig, seed: int = 0) -> GPT:
 def save_ckpt(model: GPT, folder: Path, data_dir: Path | None = None) -> Path:
     data = DataConfig(dir=str(data_dir or folder / "no-data"), prepare_if_missing=False)
     cfg = RunConfig(model=model.cfg, data=data, out_dir=str(folder))
-    return write_checkpoint(folder / "ckpt-0000010", model, cfg, state={"step": 10})
+    return write_checkpoint(folder / "ckpt-0000010", model.state_dict(), cfg, state={"step": 10})
 
 
 def tokens(cfg: ModelConfig, seed: int = 1) -> torch.Tensor:

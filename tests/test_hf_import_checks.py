@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import refused
+from helpers import refused
 from qkvlab.cli import main
 from qkvlab.run.load import load_model
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import refused, tiny_overrides
+from helpers import refused, tiny_overrides
 from qkvlab.cli import main
+from qkvlab.model.attention_layout import Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
@@ -34,7 +35,7 @@ def llama_model(**kw) -> GPT:
 def save_ckpt(model: GPT, run: Path) -> Path:
     data = DataConfig(dir=str(run / "no-data"), prepare_if_missing=False)
     cfg = RunConfig(model=model.cfg, data=data, out_dir=str(run))
-    return write_checkpoint(run / "ckpt-0000010", model, cfg, state={"step": 10})
+    return write_checkpoint(run / "ckpt-0000010", model.state_dict(), cfg, state={"step": 10})
 
 
 def hf_load(path: Path):
@@ -282,14 +283,14 @@ def test_regress_under_rope_folds_into_the_keys_exactly():
     fitted = copy.deepcopy(model)
     with torch.no_grad():
         for blk, sblk, fblk in zip(model.blocks, student.blocks, fitted.blocks, strict=True):
-            wk = blk.attn.in_proj.weight[d:2 * d].double()  # (out, in) rows of each head's key
-            wk_student = sblk.attn.in_proj.weight[:d].double()  # = ratio * A_h @ wk, per head
+            wk = blk.attn.projections().w_k.double()  # (out, in) rows of each head's key
+            wk_student = sblk.attn.projections().w_k.double()  # = ratio * A_h @ wk, per head
             wq = torch.zeros(d, d, dtype=torch.float64)  # Linear (out, in)
             for h in range(cfg.n_head):
                 sl = slice(h * dk, (h + 1) * dk)
                 A = wk_student[sl] @ torch.linalg.pinv(wk[sl]) / ratio
                 wq[sl, sl] = A.T  # the query u_h A_h, as Linear rows
-            fblk.attn.in_proj.weight[:d] = wq.to(fblk.attn.in_proj.weight.dtype)
+            fblk.attn.load_projections(Projections(w_q=wq))
     idx = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         assert float((student(idx)[0] - fitted(idx)[0]).abs().max()) < 1e-6

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
@@ -43,9 +44,9 @@ def _block_diagonal_query(model: GPT, seed: int) -> None:
             for h in range(cfg.n_head):
                 sl = slice(h * dk, (h + 1) * dk)
                 wq[sl, sl] = torch.randn(dk, dk, generator=g, dtype=torch.float64) / dk ** 0.5
-            blk.attn.in_proj.weight[:cfg.n_embd] = wq.T  # Linear rows = paper columns
-            if blk.attn.in_proj.bias is not None:
-                blk.attn.in_proj.bias[:cfg.n_embd] = 0.0
+            b_q = blk.attn.projections().b_q
+            blk.attn.load_projections(Projections(  # Linear rows = paper columns
+                w_q=wq.T, b_q=None if b_q is None else torch.zeros_like(b_q)))
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(bias=True), dict(tie_embeddings=False, n_layer=3),

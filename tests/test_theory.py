@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
@@ -75,13 +76,12 @@ def build(layout: dict) -> tuple[GPT, str, int]:
     to, seed = layout.pop("to"), layout.pop("seed")
     model = random_model(ModelConfig(**layout), seed)
     which = to[0]
-    d = model.cfg.n_embd
-    with torch.no_grad():
-        for blk in model.blocks:
-            if model.cfg.bias and which == "q":
-                blk.attn.in_proj.bias[:d] = 0.0  # an identity query has no bias (refusal test)
-            if model.cfg.bias and which == "k" and model.cfg.positions == "rope":
-                blk.attn.in_proj.bias[d:2 * d] = 0.0
+    for blk in model.blocks:
+        parts = blk.attn.projections()
+        if model.cfg.bias and which == "q":  # an identity query has no bias (refusal test)
+            blk.attn.load_projections(Projections(b_q=torch.zeros_like(parts.b_q)))
+        if model.cfg.bias and which == "k" and model.cfg.positions == "rope":
+            blk.attn.load_projections(Projections(b_k=torch.zeros_like(parts.b_k)))
     return model, to, seed
 
 
@@ -173,7 +173,7 @@ def test_layer_bases_are_carried_by_w2():
     T_{l+1}, T_{L+1} = I, embeddings times T_1."""
     model = random_model(small_config(n_layer=2, residual="attention"), 3)
     new, _ = convert(model)
-    W = [b.attn.in_proj.weight.detach()[:16].T for b in model.blocks]  # paper W_Q per layer
+    W = [b.attn.projections().w_q.detach().T for b in model.blocks]  # paper W_Q per layer
     n0, n1 = new.blocks
     o0, o1 = model.blocks
     torch.testing.assert_close(new.wte.weight, model.wte.weight @ W[0])
@@ -182,7 +182,9 @@ def test_layer_bases_are_carried_by_w2():
                                                                          o0.mlp.fc_in.weight.T))
     torch.testing.assert_close(n0.mlp.fc_out.weight.T, o0.mlp.fc_out.weight.T @ W[1])
     torch.testing.assert_close(n1.mlp.fc_out.weight, o1.mlp.fc_out.weight)  # T_3 = I
-    assert n0.attn.in_proj.weight.shape == (32, 16)  # only K and V rows remain
+    kept = n0.attn.projections()  # only K and V rows remain
+    assert kept.w_q is None and kept.w_k.shape == kept.w_v.shape == (16, 16)
+    assert n0.attn.in_proj.weight.shape == (32, 16)
 
 
 def test_conversion_keeps_dtype_and_returns_a_new_model():
@@ -228,14 +230,14 @@ def test_refuses_gqa_for_key_and_value():
 
 def test_refuses_singular_and_ill_conditioned_projections():
     model = random_model(small_config(), 0)
-    w = model.blocks[1].attn.in_proj.weight
-    with torch.no_grad():
-        w[3] = 0.0  # a zero row of W_Q^T: singular
+    attn = model.blocks[1].attn
+    w = attn.projections().w_q.detach().clone()
+    w[3] = 0.0  # a zero row of W_Q^T: singular
+    attn.load_projections(Projections(w_q=w))
     _refusal(model, "q-identity", r"layer 1's W_Q is singular")
     u, _, vh = torch.linalg.svd(torch.randn(16, 16, dtype=torch.float64))
     s = torch.logspace(0, -10, 16, dtype=torch.float64)
-    with torch.no_grad():
-        w[:16] = u @ torch.diag(s) @ vh
+    attn.load_projections(Projections(w_q=u @ torch.diag(s) @ vh))
     msg = _refusal(model, "q-identity", r"ill-conditioned \(condition number 1(\.\d+)?e\+10")
     assert "limit 1e+08" in msg
     convert(model, "q-identity", cond_limit=1e12)  # the caller may accept it knowingly
@@ -284,7 +286,8 @@ def test_converted_model_trains_samples_and_saves(tmp_path):
     assert losses[-1] < losses[0] - 0.1
     out = generate(new.eval(), idx[:1, :3], 5, temperature=0.0)
     assert out.shape == (1, 8)
-    write_checkpoint(tmp_path / "ck", new, RunConfig(model=new.cfg), state={"step": 0})
+    write_checkpoint(tmp_path / "ck", new.state_dict(), RunConfig(model=new.cfg),
+                     state={"step": 0})
     loaded, _ = load_model(tmp_path / "ck")
     assert loaded.cfg == new.cfg
     assert max_logit_diff(loaded, new, idx) == 0.0

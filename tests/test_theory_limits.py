@@ -104,7 +104,7 @@ def test_full_skips_with_equal_bases_are_exact():
     """What the refusal is about is different bases per layer: equal W_Q's convert exactly."""
     cfg = small_config(residual="full", n_layer=3)
     model = random_model(cfg, 0)
-    w = random_model(cfg, 9).blocks[0].attn.in_proj.weight[:16].detach().T
+    w = random_model(cfg, 9).blocks[0].attn.projections().w_q.detach().T
     set_projection_(model, "q", [w, w, w])
     new, report = convert(model)
     assert report.exact and "every layer with the same W_X" in report.theorem

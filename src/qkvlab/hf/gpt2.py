@@ -20,6 +20,7 @@ refused with the reason: qkvlab ships no `trust_remote_code` model code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 
@@ -112,7 +114,7 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
     for i, block in model.layers():
         p, h = f"blocks.{0 if cfg.share_layers else i}.", f"h.{i}."
         out[h + "attn.c_attn.weight"], out[h + "attn.c_attn.bias"] = _c_attn(
-            cfg, block.attn.sizes, sd, p)
+            cfg, block.attn.projections().map(lambda t: t.detach().to("cpu")), sd, p)
         out[h + "attn.c_proj.weight"] = sd[p + "attn.out_proj.weight"].T
         out[h + "attn.c_proj.bias"] = sd.get(p + "attn.out_proj.bias", zeros(d))
         out[h + "mlp.c_fc.weight"] = sd[p + "mlp.fc_in.weight"].T
@@ -132,24 +134,20 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
     return _gpt2_config(cfg, ref.dtype, eot_token, extra), tensors
 
 
-def _c_attn(cfg: ModelConfig, sizes: list[int], sd: dict[str, torch.Tensor],
+def _c_attn(cfg: ModelConfig, parts: Projections, sd: dict[str, torch.Tensor],
             p: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT-2's fused (d, 3d) query/key/value weight and bias for block prefix `p`: identity
-    blocks for the dropped projection, K/V heads repeated under GQA, and the scale ratio r
-    (GPT-2 multiplies q.k by 1/sqrt(dk); r = scale * sqrt(dk)) folded into one block."""
+    """GPT-2's fused (d, 3d) query/key/value weight and bias for the attention `parts` of
+    block prefix `p`: identity blocks for the dropped projection, K/V heads repeated under
+    GQA, and the scale ratio r (GPT-2 multiplies q.k by 1/sqrt(dk); r = scale * sqrt(dk))
+    folded into one block."""
     d, dk, dtype = cfg.n_embd, cfg.d_head, sd["wte.weight"].dtype
-    w = sd[p + "attn.in_proj.weight"].T  # (d, sum(sizes)): columns [q | k | v]
-    b = sd.get(p + "attn.in_proj.bias")
-    parts_w = dict(zip("qkv", w.split(sizes, dim=1), strict=True))
-    parts_b = (dict(zip("qkv", b.split(sizes), strict=True)) if b is not None
-               else {n: None for n in "qkv"})
     blocks_w, blocks_b = {}, {}
     for n in "qkv":
-        if parts_w[n].shape[1] == 0:  # the identity projection of this scheme
+        if parts.weight(n) is None:  # the identity projection of this scheme
             blocks_w[n], blocks_b[n] = torch.eye(d, dtype=dtype), torch.zeros(d, dtype=dtype)
             continue
-        bw = parts_w[n]
-        bb = parts_b[n] if parts_b[n] is not None else torch.zeros(bw.shape[1], dtype=dtype)
+        bw = parts.weight(n).T  # Conv1D's (in, out)
+        bb = parts.bias(n) if parts.bias(n) is not None else torch.zeros(bw.shape[1], dtype=dtype)
         if n in "kv":
             bw = _repeat_heads(bw, cfg.n_head, cfg.kv_heads, dk)
             bb = _repeat_heads(bb, cfg.n_head, cfg.kv_heads, dk)
@@ -370,11 +368,10 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
         norm="layernorm", positions=positions, residual="full", projection=projection,
         init_std=float(_field(config, "initializer_range", default=0.02)),
     )
-    if not math.isclose(scale, cfg.default_attn_scale, rel_tol=SCALE_RTOL):
+    if not math.isclose(scale, cfg.scale, rel_tol=SCALE_RTOL):  # not the default "paper" rule
         # the ratio went through float32: 7 significant digits give back e.g. 0.3, not
         # 0.30000001192 (a 1e-7 relative change of the logits, far below float32 noise)
-        cfg.attn_scale = float(f"{scale:.7g}")
-        cfg.validate()
+        cfg = dataclasses.replace(cfg, attn_scale=float(f"{scale:.7g}"))
     model = GPT(cfg)
     model.load_state_dict(_qkvlab_state(sd, qkv, qkv_b, cfg), strict=True)
     model.eval()
@@ -476,18 +473,20 @@ def _qkvlab_state(sd: dict[str, torch.Tensor], qkv: list[tuple[torch.Tensor, ...
         new["norm_f.bias"] = sd["ln_f.bias"]
     if not tied:
         new["lm_head.weight"] = sd["lm_head.weight"]
-    skip = {"q-identity": 0, "k-identity": 1, "v-identity": 2}.get(cfg.projection)
+    layout = AttentionLayout.of(cfg)
     for i in range(L):
         h, p = f"h.{i}.", f"blocks.{i}."
-        kept = [j for j in range(3) if j != skip]
-        new[p + "attn.in_proj.weight"] = torch.cat([qkv[i][j] for j in kept], dim=1).T
+        # Conv1D's (in, out) blocks [q | k | v] as nn.Linear (out, in), the identity left out
+        kept = {f"w_{n}": qkv[i][j].T for j, n in enumerate("qkv") if n in layout.kept}
+        if bias:
+            kept |= {f"b_{n}": qkv_b[i][j] for j, n in enumerate("qkv") if n in layout.kept}
+        new.update(layout.state(Projections(**kept), p + "attn."))
         new[p + "attn.out_proj.weight"] = sd[h + "attn.c_proj.weight"].T
         new[p + "mlp.fc_in.weight"] = sd[h + "mlp.c_fc.weight"].T
         new[p + "mlp.fc_out.weight"] = sd[h + "mlp.c_proj.weight"].T
         new[p + "norm1.weight"] = sd[h + "ln_1.weight"]
         new[p + "norm2.weight"] = sd[h + "ln_2.weight"]
         if bias:
-            new[p + "attn.in_proj.bias"] = torch.cat([qkv_b[i][j] for j in kept])
             new[p + "attn.out_proj.bias"] = sd[h + "attn.c_proj.bias"]
             new[p + "mlp.fc_in.bias"] = sd[h + "mlp.c_fc.bias"]
             new[p + "mlp.fc_out.bias"] = sd[h + "mlp.c_proj.bias"]

@@ -17,6 +17,7 @@ r g_h on head h's rows. The same holds for an identity key (k_proj = r I) or val
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 
@@ -111,7 +113,8 @@ def to_llama(model: GPT, *, eot_token: int | None = None,
     for i, block in model.layers():
         p = f"blocks.{0 if cfg.share_layers else i}."
         h = f"model.layers.{i}."
-        out.update(_attention_tensors(cfg, sd, p, h + "self_attn.", block.attn.sizes, ref))
+        parts = block.attn.projections().map(lambda t: t.detach().to("cpu"))
+        out.update(_attention_tensors(cfg, sd, p, h + "self_attn.", parts, ref))
         gate, up = sd[p + "mlp.fc_in.weight"].chunk(2, dim=0)
         out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
         out[h + "mlp.down_proj.weight"] = sd[p + "mlp.fc_out.weight"]
@@ -126,29 +129,27 @@ def to_llama(model: GPT, *, eot_token: int | None = None,
 
 
 def _attention_tensors(cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str, h: str,
-                       sizes: tuple[int, int, int], ref: torch.Tensor
-                       ) -> dict[str, torch.Tensor]:
-    """q/k/v/o_proj of one layer, identity projections written as (scaled) identity matrices
-    and the scale ratio folded into the identity block (the query block otherwise)."""
-    d, dk = cfg.n_embd, cfg.d_head
-    w = sd[p + "attn.in_proj.weight"]  # (sum(sizes), d): rows [q | k | v]
-    b = sd.get(p + "attn.in_proj.bias")
-    weights = dict(zip("qkv", w.split(sizes, dim=0), strict=True))
-    biases = dict(zip("qkv", b.split(sizes), strict=True)) if b is not None else {}
+                       parts: Projections, ref: torch.Tensor) -> dict[str, torch.Tensor]:
+    """q/k/v/o_proj of one layer from its attention `parts`, identity projections written as
+    (scaled) identity matrices and the scale ratio folded into the identity block (the query
+    block otherwise)."""
+    d, dk, bias = cfg.n_embd, cfg.d_head, cfg.bias
+    weights = {n: parts.weight(n) for n in "qkv"}
+    biases = {n: parts.bias(n) for n in "qkv"} if bias else {}
     for n in "qkv":
-        if weights[n].shape[0] == 0:  # the identity projection of this scheme
+        if weights[n] is None:  # the identity projection of this scheme
             weights[n] = torch.eye(d, dtype=ref.dtype)
-            if b is not None:
+            if bias:
                 biases[n] = torch.zeros(d, dtype=ref.dtype)
     carrier = "k" if cfg.projection == "k-identity" else "q"
     rows = _ratio_rows(cfg.scale * math.sqrt(dk), sd.get(p + "attn.logit_gain"), dk,
                        weights[carrier])
     weights[carrier] = weights[carrier] * rows[:, None]
-    if b is not None:
+    if bias:
         biases[carrier] = biases[carrier] * rows
     out = {h + f"{n}_proj.weight": weights[n] for n in "qkv"}
     out[h + "o_proj.weight"] = sd[p + "attn.out_proj.weight"]
-    if b is not None:
+    if bias:
         out.update({h + f"{n}_proj.bias": biases[n] for n in "qkv"})
         out[h + "o_proj.bias"] = sd[p + "attn.out_proj.bias"]
     return out
@@ -249,9 +250,7 @@ def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
             continue
         projection, ratio = f"{n}-identity", ratios[0]
         break
-    cfg.projection = projection
-    cfg.attn_scale = std_scale * ratio
-    cfg.validate()
+    cfg = dataclasses.replace(cfg, projection=projection, attn_scale=std_scale * ratio)
     model = GPT(cfg)
     state = _qkvlab_state(cfg, sd, projection, ratio)
     _check_state(model, state)
@@ -299,13 +298,14 @@ def _qkvlab_state(cfg: ModelConfig, sd: dict[str, torch.Tensor], projection: str
            "norm_f.weight": _need(f32, "norm.weight")}
     out["lm_head.weight"] = out["wte.weight"] if cfg.tie_embeddings else _need(f32,
                                                                                 "lm_head.weight")
-    skip = {"q-identity": "q", "k-identity": "k"}.get(projection)
+    layout = AttentionLayout.of(dataclasses.replace(cfg, projection=projection))
+    kinds = ("weight", "bias") if cfg.bias else ("weight",)
     for i in range(cfg.n_layer):
         a, m, p = f"layers.{i}.self_attn.", f"layers.{i}.mlp.", f"blocks.{i}."
-        kept = [n for n in "qkv" if n != skip]
-        for kind in ("weight", "bias") if cfg.bias else ("weight",):
-            out[p + f"attn.in_proj.{kind}"] = torch.cat([_need(f32, a + f"{n}_proj.{kind}")
-                                                         for n in kept])
+        out.update(layout.state(Projections(**{
+            f"{kind[0]}_{n}": _need(f32, a + f"{n}_proj.{kind}")
+            for n in layout.kept for kind in kinds}), p + "attn."))
+        for kind in kinds:
             out[p + f"attn.out_proj.{kind}"] = _need(f32, a + f"o_proj.{kind}")
             out[p + f"mlp.fc_in.{kind}"] = torch.cat([_need(f32, m + f"gate_proj.{kind}"),
                                                       _need(f32, m + f"up_proj.{kind}")])

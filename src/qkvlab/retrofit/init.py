@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import AttentionLayout, Projections
+from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.theory.convert import approximate_convert
 from qkvlab.theory.rope import commuting_basis
@@ -116,19 +118,25 @@ def attention_moments(model: GPT, batches: Iterable[torch.Tensor]) -> list[Momen
     return [Moments(s / n, m / n, n) for s, m, n in zip(sums, means, counts, strict=True)]
 
 
-def _student_config(model: GPT, attn_scale: float | None):
+def _student_config(model: GPT, attn_scale: float | str):
     return dataclasses.replace(model.cfg, projection="q-identity", attn_scale=attn_scale)
 
 
-def _without_query(model: GPT) -> dict[str, torch.Tensor]:
-    """The source's state dict with the query rows of every in_proj removed (float64)."""
-    q = model.cfg.n_head * model.cfg.d_head
+def _source_projections(model: GPT) -> list[Projections]:
+    """Every distinct block's W_Q, W_K, W_V and biases, float64 copies on the CPU."""
+    return [blk.attn.projections().map(lambda t: t.detach().to("cpu", F64).clone())
+            for blk in model.blocks]
+
+
+def _student_state(model: GPT, student: ModelConfig, parts: list[Projections]
+                   ) -> dict[str, torch.Tensor]:
+    """The source's state dict (float64) with each block's attention projections replaced by
+    `parts` (W_Q and b_Q dropped: the student's query is the identity)."""
     sd = {k: v.detach().to("cpu", F64).clone() for k, v in model.state_dict().items()}
-    for i in range(len(model.blocks)):
-        for name in ("weight", "bias"):
-            key = f"blocks.{i}.attn.in_proj.{name}"
-            if key in sd:
-                sd[key] = sd[key][q:].clone()  # rows (Linear out dims) are [q | k | v]
+    layout = AttentionLayout.of(student)
+    for i, part in enumerate(parts):
+        sd.update(layout.state(dataclasses.replace(part, w_q=None, b_q=None),
+                               f"blocks.{i}.attn."))
     return sd
 
 
@@ -145,21 +153,17 @@ def _least_squares_map(s_hh: torch.Tensor, cross: torch.Tensor, lam: float,
     return torch.einsum("m,mij->ij", coef, basis)
 
 
-def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
+def _fit_heads(model: GPT, moments: list[Moments], parts: list[Projections],
                ratio: float, ridge: float) -> list[float]:
-    """Fold each head's least-squares query map A_h into its keys, in place; returns the
-    explained query variance per distinct block (mean over heads)."""
+    """Fold each head's least-squares query map A_h into its keys (W_K and b_K of `parts`, in
+    place); returns the explained query variance per distinct block (mean over heads)."""
     cfg = model.cfg
     H, dk = cfg.n_head, cfg.d_head
-    src = model.state_dict()
     basis = commuting_basis(dk) if cfg.positions == "rope" else None
     r2_blocks = []
-    for i, mom in enumerate(moments):
-        w = src[f"blocks.{i}.attn.in_proj.weight"].detach().to("cpu", F64)  # (3d, d)
-        b = src.get(f"blocks.{i}.attn.in_proj.bias")
-        b = b.detach().to("cpu", F64) if b is not None else None
+    for mom, part in zip(moments, parts, strict=True):
+        w, b = part.w_q, part.b_q  # (d, d) nn.Linear rows per head, float64
         S, m = mom.second, mom.mean
-        key_w, key_b = f"blocks.{i}.attn.in_proj.weight", f"blocks.{i}.attn.in_proj.bias"
         r2s = []
         for h in range(H):
             sl = slice(h * dk, (h + 1) * dk)
@@ -176,11 +180,10 @@ def _fit_heads(model: GPT, moments: list[Moments], sd: dict[str, torch.Tensor],
             resid = torch.trace(tt) - 2 * torch.trace(A.T @ cross) + torch.trace(A.T @ s_hh @ A)
             total = float(torch.trace(tt))
             r2s.append(1.0 - float(resid) / total if total > 0 else 0.0)
-            # keys: rows d + h*dk ... of the source in_proj = rows h*dk ... of the student's
-            rows = slice(h * dk, (h + 1) * dk)
-            sd[key_w][rows] = ratio * (A @ sd[key_w][rows])
-            if key_b in sd:
-                sd[key_b][rows] = ratio * (A @ sd[key_b][rows])
+            # head h's key rows (one key head per query head: check_source saw to it)
+            part.w_k[sl] = ratio * (A @ part.w_k[sl])
+            if part.b_k is not None:
+                part.b_k[sl] = ratio * (A @ part.b_k[sl])
         r2_blocks.append(sum(r2s) / len(r2s))
     return r2_blocks
 
@@ -203,19 +206,20 @@ def build_student(model: GPT, init: str = "regress", moments: list[Moments] | No
                               f"{fails}; max condition number {report.max_condition:.3g})")
         return student.to(ref.device).train(model.training), info
 
-    cfg = _student_config(model, None)
-    sd = _without_query(model)
+    cfg = _student_config(model, "paper")
+    parts = _source_projections(model)
     if init == "drop":
         info = InitInfo(init, "W_Q removed, everything else kept")
     else:
         if moments is None or len(moments) != len(model.blocks):
             raise QkvlabError("--init regress needs attention moments for every block")
         ratio = model.cfg.scale / cfg.scale  # s / s': the halved scale moves into the keys
-        r2 = _fit_heads(model, moments, sd, ratio, ridge)
+        r2 = _fit_heads(model, moments, parts, ratio, ridge)
         rope = (", each map commuting with RoPE's rotations" if model.cfg.positions == "rope"
                 else "")
         info = InitInfo(init, f"per-head least-squares query on its own slice folded into W_K"
                               f"{rope} ({moments[0].count:,} calibration tokens)", r2)
+    sd = _student_state(model, cfg, parts)
     student = GPT(cfg).to(dtype=ref.dtype)
     student.load_state_dict({k: v.to(ref.dtype) for k, v in sd.items()}, strict=True)
     return student.to(ref.device).train(model.training), info

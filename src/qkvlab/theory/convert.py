@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.theory.common import param_count
@@ -184,15 +185,10 @@ def _read_blocks(model: GPT, sd: dict[str, torch.Tensor]) -> list[_Block]:
     out = []
     for i, block in enumerate(model.blocks):
         p = f"blocks.{i}."
-        sizes = block.attn.sizes
-        w = _paper(sd[p + "attn.in_proj.weight"])  # (d, q+k+v): columns [q | k | v]
-        bias = sd.get(p + "attn.in_proj.bias")
-        bias = bias.detach().to("cpu", F64) if bias is not None else None
-        P, b, start = {}, {}, 0
-        for name, size in zip("qkv", sizes, strict=True):
-            P[name] = w[:, start:start + size]
-            b[name] = bias[start:start + size] if bias is not None else None
-            start += size
+        parts = block.attn.projections()
+        P = {n: _paper(parts.weight(n)) for n in "qkv"}  # the source is a baseline: all three
+        b = {n: None if parts.bias(n) is None else parts.bias(n).detach().to("cpu", F64)
+             for n in "qkv"}
 
         def get(key: str, p: str = p) -> torch.Tensor | None:
             t = sd.get(p + key)
@@ -424,11 +420,12 @@ def _tied_head_hypothesis(sd: dict[str, torch.Tensor], norm: bool, B1: torch.Ten
 
 def _apply(model: GPT, plan: _Plan, to: str, dtype: torch.dtype | None) -> GPT:
     cfg = model.cfg
-    sd = {k: v.detach().to("cpu", F64).clone() for k, v in model.state_dict().items()}
-    for i, blk in enumerate(plan.blocks):
-        _apply_block(sd, cfg, plan, i, blk)
-    _apply_ends(sd, cfg, plan)
     new_cfg = dataclasses.replace(cfg, projection=to, attn_scale=cfg.scale)
+    sd = {k: v.detach().to("cpu", F64).clone() for k, v in model.state_dict().items()}
+    layout = AttentionLayout.of(new_cfg)
+    for i, blk in enumerate(plan.blocks):
+        _apply_block(sd, cfg, plan, i, blk, layout)
+    _apply_ends(sd, cfg, plan)
     ref = next(model.parameters())
     target = ref.dtype if dtype is None else dtype
     # Cast before loading: load_state_dict copies into the existing (float32) tensors.
@@ -440,17 +437,18 @@ def _apply(model: GPT, plan: _Plan, to: str, dtype: torch.dtype | None) -> GPT:
 
 
 def _apply_block(sd: dict[str, torch.Tensor], cfg: ModelConfig, plan: _Plan, i: int,
-                 blk: _Block) -> None:
-    """Block i's weights in the new basis (float64, in place in `sd`)."""
+                 blk: _Block, layout: AttentionLayout) -> None:
+    """Block i's weights in the new basis (float64, in place in `sd`); `layout` is the
+    converted attention's."""
     p, which = f"blocks.{i}.", plan.which
     a, b_in, b_next = plan.A[i], plan.B[i], plan.B_next[i]
     eye = torch.eye(cfg.n_embd, dtype=F64)
     kept = [n for n in "qkv" if n != which]
     # Section 1: u' = u W_X, so each kept projection becomes W_X^-1 W_P.
-    new_w = torch.cat([torch.linalg.solve(a, blk.P[n]) for n in kept], dim=1)
-    sd[p + "attn.in_proj.weight"] = _linear(new_w)
+    kept_parts = {f"w_{n}": _linear(torch.linalg.solve(a, blk.P[n])) for n in kept}
     if blk.b["q"] is not None:
-        sd[p + "attn.in_proj.bias"] = torch.cat([blk.b[n] for n in kept])
+        kept_parts |= {f"b_{n}": blk.b[n] for n in kept}
+    sd.update(layout.state(Projections(**kept_parts), p + "attn."))
     b_o = blk.bO
     if which == "v" and blk.b["v"] is not None:
         b_o = b_o + blk.b["v"] @ blk.WO

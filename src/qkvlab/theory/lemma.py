@@ -9,10 +9,12 @@ and its corollary: with T = W_X the X projection is the identity. Checked on `At
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import Attention
 from qkvlab.theory.common import generator, randomize_
@@ -38,6 +40,13 @@ def random_invertible(d: int, seed: int) -> torch.Tensor:
         + torch.eye(d, dtype=F64) * 0.5
 
 
+def _moved(parts: Projections, T: torch.Tensor, names: Iterable[str]) -> Projections:
+    """The weights `names` of `parts` in the basis T: paper W' = T^-1 W, i.e. nn.Linear's
+    weight' = W'^T = weight T^-T."""
+    return Projections(**{f"w_{n}": torch.linalg.solve(T, parts.weight(n).detach().T).T
+                          for n in names})
+
+
 def invariance_error(n_embd: int = 16, n_head: int = 4, *, n_kv_head: int | None = None,
                      causal: bool = True, length: int = 12, seed: int = 0,
                      T: torch.Tensor | None = None) -> float:
@@ -48,9 +57,7 @@ def invariance_error(n_embd: int = 16, n_head: int = 4, *, n_kv_head: int | None
     if T.shape != (n_embd, n_embd):
         raise QkvlabError(f"T must be {n_embd} x {n_embd}, got {tuple(T.shape)}")
     moved = copy.deepcopy(att)
-    with torch.no_grad():
-        # paper W' = T^-1 W  <=>  nn.Linear weight' = W'^T = weight T^-T
-        moved.in_proj.weight.copy_(torch.linalg.solve(T, att.in_proj.weight.T).T)
+    moved.load_projections(_moved(att.projections(), T, "qkv"))
     x = torch.randn(2, length, n_embd, generator=generator(seed + 2), dtype=F64)
     with torch.no_grad():
         return float((att(x) - moved(x @ T)).abs().max())
@@ -67,12 +74,10 @@ def identity_error(which: str, n_embd: int = 16, n_head: int = 4, *,
     new_cfg = _cfg(n_embd, n_head, n_kv_head, causal, length,
                    projection=f"{which}-identity", attn_scale=src_cfg.scale)
     new = Attention(new_cfg).to(F64).eval()
-    w = att.in_proj.weight.detach().T  # paper (d, q | k | v)
-    parts = dict(zip("qkv", w.split(att.sizes, dim=1), strict=True))
-    T = parts[which]
-    kept = torch.cat([torch.linalg.solve(T, parts[n]) for n in "qkv" if n != which], dim=1)
+    parts = att.projections()
+    T = parts.weight(which).detach().T  # paper (d, d)
+    new.load_projections(_moved(parts, T, [n for n in "qkv" if n != which]))
     with torch.no_grad():
-        new.in_proj.weight.copy_(kept.T)
         new.out_proj.weight.copy_(att.out_proj.weight)
     x = torch.randn(2, length, n_embd, generator=generator(seed + 2), dtype=F64)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from qkvlab.errors import QkvlabError
+from qkvlab.model.attention_layout import Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.theory.common import (
@@ -50,23 +51,20 @@ def set_projection_(model: GPT, which: str, mats: list[torch.Tensor]) -> None:
     if len(mats) != len(model.blocks):
         raise QkvlabError(f"need {len(model.blocks)} matrices (one per distinct block), "
                           f"got {len(mats)}")
-    start = {"q": 0, "k": 1, "v": 2}[which]
     for blk, m in zip(model.blocks, mats, strict=True):
-        sizes = blk.attn.sizes
-        lo = sum(sizes[:start])
-        if m.shape != (blk.attn.in_proj.in_features, sizes[start]):
-            raise QkvlabError(f"W_{which.upper()} must be {blk.attn.in_proj.in_features} x "
-                              f"{sizes[start]}, got {tuple(m.shape)}")
-        with torch.no_grad():
-            blk.attn.in_proj.weight[lo:lo + sizes[start]] = m.T.to(blk.attn.in_proj.weight)
+        shape = blk.attn.layout.shape(which)  # (out, in): the paper's W_X is its transpose
+        if shape is None or m.shape != shape[::-1]:
+            want = f"{shape[1]} x {shape[0]}" if shape else "absent (an identity)"
+            raise QkvlabError(f"W_{which.upper()} must be {want}, got {tuple(m.shape)}")
+        blk.attn.load_projections(Projections(**{f"w_{which}": m.T}))
 
 
 def zero_query_bias_(model: GPT) -> GPT:
     """Set b_Q = 0 in every block (an identity query cannot reproduce a query bias)."""
-    with torch.no_grad():
-        for blk in model.blocks:
-            if blk.attn.in_proj.bias is not None:
-                blk.attn.in_proj.bias[:blk.attn.sizes[0]] = 0.0
+    for blk in model.blocks:
+        b_q = blk.attn.projections().b_q
+        if b_q is not None:
+            blk.attn.load_projections(Projections(b_q=torch.zeros_like(b_q)))
     return model
 
 

@@ -32,9 +32,7 @@ def initial_logit_std(cfg: ModelConfig, seed: int = 0, batch: int = 4, length: i
         x = x + model.wpe(torch.arange(length))
     block = model.blocks[0]
     rope = (model.rope_cos, model.rope_sin) if cfg.positions == "rope" else None
-    q, k, _ = block.attn.heads(block.norm1(x), rope)
-    k = k.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1)
-    return float((q @ k.transpose(-2, -1) * cfg.scale).std())
+    return float(block.attn.scores(block.norm1(x), rope, masked=False).std())
 
 
 @torch.no_grad()
@@ -46,7 +44,7 @@ def attention_stats(model: GPT, idx: torch.Tensor) -> list[dict[str, float]]:
     whether a trained W_Q = I model attends as sharply as the baseline."""
     if next(model.parameters()).dtype != torch.float32:
         raise ValueError("attention_stats needs a float32 model (model.float())")
-    cfg, inputs, was_training = model.cfg, [], model.training
+    inputs, was_training = [], model.training
     # the attention's input (norm1's output) and the RoPE tables, as each layer sees them
     hooks = [block.attn.register_forward_pre_hook(
         lambda _m, args: inputs.append((args[0], args[1] if len(args) > 1 else None)))
@@ -57,14 +55,10 @@ def attention_stats(model: GPT, idx: torch.Tensor) -> list[dict[str, float]]:
         model.train(was_training)
         for h in hooks:
             h.remove()
-    T = idx.shape[1]
-    allowed = (torch.ones(T, T, dtype=torch.bool).tril() if cfg.causal
-               else torch.ones(T, T, dtype=torch.bool))
     out = []
     for (_, block), (h, rope) in zip(model.layers(), inputs, strict=True):
-        q, k, _ = block.attn.heads(h, rope)
-        k = k.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1)
-        logits = (q @ k.transpose(-2, -1) * block.attn.scale).masked_fill(~allowed, float("-inf"))
+        logits = block.attn.scores(h, rope)
+        allowed = block.attn.allowed(idx.shape[1], logits.device)
         p = logits.softmax(-1)
         entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
         out.append({"logit_std": float(logits[..., allowed].std()),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qkvlab.model.attention_layout import Projections
 from qkvlab.theory import lemma, limits, relu_skip, rope
 from qkvlab.theory.common import random_model
 
@@ -48,11 +49,9 @@ def _model_error(seed: int, to: str = "q-identity", exact: bool = True,
                  zero_bias: str | None = None, **cfg) -> float:
     model = random_model(limits.small_config(**cfg), seed)
     if zero_bias is not None:  # an identity query cannot reproduce b_Q (section 2 needs b_Q=0)
-        part = "qkv".index(zero_bias)
-        with torch.no_grad():
-            for blk in model.blocks:
-                d = cfg.get("n_embd", 16)
-                blk.attn.in_proj.bias[part * d:(part + 1) * d] = 0.0
+        for blk in model.blocks:
+            bias = blk.attn.projections().bias(zero_bias)
+            blk.attn.load_projections(Projections(**{f"b_{zero_bias}": torch.zeros_like(bias)}))
     return limits.conversion_error(model, to, seed=seed, exact=exact).error
 
 
