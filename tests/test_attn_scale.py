@@ -13,7 +13,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
 from qkvlab.model.params import count_params
-from qkvlab.run.config import config_toml, load_config
+from qkvlab.run.config import config_toml, load_config, saved_config
 from qkvlab.theory import convert
 from qkvlab.theory.scale import initial_logit_std
 
@@ -92,7 +92,11 @@ def test_resolved_config_records_rule_and_number():
 
 
 def test_old_configs_without_a_rule_mean_paper():
-    assert ModelConfig(attn_scale=None).attn_scale == "paper"
+    # runs saved before the rule names wrote attn_scale as null or left it out: read on load
+    for table in ({"attn_scale": None}, {}):
+        assert saved_config({"model": table}).model.attn_scale == "paper"
+    with pytest.raises(QkvlabError, match="attn_scale"):  # a live config names its rule
+        ModelConfig(attn_scale=None)
 
 
 @pytest.mark.parametrize("value", ["bogus", 0, -1.0, True, float("nan")])

@@ -362,14 +362,33 @@ def test_eager_attention_trains_like_sdpa_under_bf16(causal):
     for (name, a), b in zip(models["sdpa"].named_parameters(), models["eager"].parameters(),
                             strict=True):
         torch.testing.assert_close(b.grad, a.grad, atol=2e-3, rtol=5e-2, msg=name)
-    with pytest.raises(QkvlabError, match="attn_impl='flash' is not one of sdpa, eager"):
+    with pytest.raises(QkvlabError, match="attn_impl='flash' is not one of auto, sdpa, eager"):
         tiny(attn_impl="flash")
 
 
-def test_shared_layers_and_residual_layouts_run():
+@pytest.mark.parametrize("norm", ["layernorm", "none"])
+def test_shared_layers_and_residual_layouts(norm):
+    """Each residual layout is its formula, written here from the block's own modules (a = the
+    attention of norm1 x): "full" x + a + MLP(norm2(x + a)), "attention" MLP(norm2(x + a)),
+    "none" MLP(norm2 a); the three differ; a shared block is applied n_layer times."""
+    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    outputs = {}
     for residual in ("full", "attention", "none"):
-        cfg = tiny(residual=residual, share_layers=True, norm="none")
-        model = GPT(cfg)
+        torch.manual_seed(2)  # the same weights for every layout
+        model = GPT(tiny(residual=residual, share_layers=True, norm=norm)).eval()
         assert len(model.blocks) == 1
-        logits, _ = model(torch.randint(0, 50, (1, 8)))
-        assert logits.shape == (1, 8, 50)
+        block = model.blocks[0]
+        with torch.no_grad():
+            a = block.attn(block.norm1(x))
+            want = {"full": x + a + block.mlp(block.norm2(x + a)),
+                    "attention": block.mlp(block.norm2(x + a)),
+                    "none": block.mlp(block.norm2(a))}[residual]
+            outputs[residual] = block(x)
+            torch.testing.assert_close(outputs[residual], want)
+            h = model.wte(idx) + model.wpe(torch.arange(8))
+            for _ in range(model.cfg.n_layer):
+                h = block(h)
+            torch.testing.assert_close(model.hidden_states(idx), model.norm_f(h))
+    for one, other in (("full", "attention"), ("full", "none"), ("attention", "none")):
+        assert not torch.allclose(outputs[one], outputs[other], atol=1e-3), (one, other)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 import shutil
@@ -59,6 +58,7 @@ def run_compare(opts: CompareOptions) -> int:
         plot_curves,
         render_table,
         summarize,
+        variant_configs,
     )
     from qkvlab.run.config import load_config
 
@@ -71,7 +71,7 @@ def run_compare(opts: CompareOptions) -> int:
     base = load_config(PRESETS[opts.preset], overrides)
     out = Path(opts.out)
     console = table_console()
-    names, signum = _train_variants(base, out, opts.fresh, console)
+    names, signum = _train_variants(variant_configs(base, overrides, out), opts.fresh, console)
     if signum is not None:
         # soft_wrap: the command stays on one line, ready to copy
         console.print(f"stopped by signal {signum}; no comparison of unfinished runs. Resume "
@@ -87,24 +87,14 @@ def run_compare(opts: CompareOptions) -> int:
     return 0
 
 
-def _variant_configs(base: RunConfig, out: Path) -> list[tuple[str, str, RunConfig]]:
-    """(name, description, config) of each variant of the comparison, in OUT/NAME."""
-    from qkvlab.model.variants import compare_variants
-
-    return [(v.name, f"{v.description}, weight decay {v.weight_decay:g}", dataclasses.replace(
-        base, model=v.model, optim=dataclasses.replace(base.optim, weight_decay=v.weight_decay),
-        out_dir=str(out / v.name), name=v.name)) for v in compare_variants(base.model)]
-
-
-def _train_variants(base: RunConfig, out: Path, fresh: bool, console: Console
+def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, console: Console
                     ) -> tuple[list[str], int | None]:
-    """Train (or resume) each variant in OUT/NAME, reusing finished runs unless `fresh`.
-    Returns the variant names and the signal that stopped training, if one did."""
+    """Train (or resume) each (name, description, config) in its folder, reusing finished runs
+    unless `fresh`. Returns the variant names and the signal that stopped training, if one did."""
     from qkvlab.run.layout import SUMMARY_FILE
     from qkvlab.run.records import is_finished, read_json_record
     from qkvlab.train import train
 
-    variants = _variant_configs(base, out)
     todo = []
     for name, what, cfg in variants:
         run_dir = Path(cfg.out_dir)
@@ -155,11 +145,11 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("compare", help="the main job: baseline vs W_Q = I vs W_Q = I + wider MLP")
-    p.add_argument("--preset", default="quick",
+    p.add_argument("--preset",
                    help="quick (~14 min on 2 cores; the expected time is printed) | long")
-    p.add_argument("--out", default="runs/compare", help="folder for the runs, table and plot")
-    p.add_argument("--steps", type=int, default=None, help="override the number of steps")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", help="folder for the runs, table and plot")
+    p.add_argument("--steps", type=int, help="override the number of steps")
+    p.add_argument("--seed", type=int)
     p.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
     add_overrides(p)
     register(p, CompareOptions, run_compare)

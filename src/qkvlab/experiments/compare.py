@@ -8,19 +8,41 @@ the command can be re-run after a kill.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from rich.table import Table
 
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.plots import variant_colors
+from qkvlab.experiments.rules import apply_rule, check_user_keys, user_keys
 from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.model.params import count_params
-from qkvlab.run.config import load_config
+from qkvlab.model.variants import COMPARE_RULES, rule_named
+from qkvlab.run.config import RunConfig, load_config
 from qkvlab.run.layout import CONFIG_FILE
 from qkvlab.run.metrics import read_metrics
 
 PRESETS = {"quick": "compare-quick", "long": "compare-long"}
+
+
+def variant_configs(base: RunConfig, overrides: list[str], out: Path
+                    ) -> list[tuple[str, str, RunConfig]]:
+    """(name, description, config) of each variant of the comparison, in OUT/NAME: the rules
+    of COMPARE_RULES applied to `base`, each key `overrides` sets kept as the user set it
+    (experiments/rules.py)."""
+    user = user_keys(overrides)
+    check_user_keys({rule: rule for rule in COMPARE_RULES}, user,
+                    "drop that --set, or write a sweep spec (docs/experiments.md) whose variants "
+                    "set it in their own `set`")
+    variants = []
+    for rule in COMPARE_RULES:
+        cfg = dataclasses.replace(apply_rule(base, rule, user), out_dir=str(out / rule),
+                                  name=rule)
+        what = (f"{rule_named(rule).description}, attn scale {cfg.model.scale:.4g}, weight "
+                f"decay {cfg.optim.weight_decay:g}")
+        variants.append((rule, what, cfg))
+    return variants
 
 
 def val_curve(records: list[dict]) -> tuple[list[int], list[float]]:

@@ -21,8 +21,10 @@ A spec is a TOML file (data only: nothing is executed) with one [spec] table and
     grid = { weight_decay = [0.01, 0.03125] }   # cartesian product: one group per point
 
 A variant starts from the base, applies its `rule` (the paper's derivations, written once in
-variants.py), then its fields (a whitelist of model and optimizer keys, VARIANT_FIELDS), then
-its grid point, then its own `set` overrides. Anything else is refused with the valid keys.
+variants.py; a key the spec's `set` or `--set` names stays as the user set it, see
+experiments/rules.py), then its fields (a whitelist of model and optimizer keys,
+VARIANT_FIELDS), then its grid point, then its own `set` overrides. Anything else is refused
+with the valid keys.
 
 One (variant, grid point) is a *group*; a group times a seed is a *run*, trained in
 <out>/<group>/seed-<seed>/. A group's fingerprint is the sha256 of its resolved config without
@@ -46,8 +48,16 @@ from typing import Any
 import tomli_w
 
 from qkvlab.errors import QkvlabError
-from qkvlab.model.variants import RULES, derive
-from qkvlab.run.config import RESUME_HARMLESS, RunConfig, apply_overrides, load_config
+from qkvlab.experiments.rules import apply_rule, check_user_keys, user_keys
+from qkvlab.model.config import old_record_nulls
+from qkvlab.model.variants import RULES
+from qkvlab.run.config import (
+    RESUME_HARMLESS,
+    RunConfig,
+    apply_overrides,
+    load_config,
+    saved_config,
+)
 
 SPEC_KEYS: tuple[str, ...] = ("name", "description", "base", "set", "seeds", "out")
 VARIANT_META: tuple[str, ...] = ("name", "description", "baseline", "rule", "family", "grid",
@@ -173,6 +183,12 @@ class Spec:
     def groups(self, overrides: list[str] | None = None) -> list[Group]:
         """Every (variant, grid point), resolved and validated, in spec order."""
         base = self.base_config(overrides)
+        user = user_keys([*self.set, *(overrides or [])])
+        try:
+            check_user_keys({v.name: v.rule for v in self.variants if v.rule}, user,
+                            "set it in those variants' own `set` instead (or give them no rule)")
+        except QkvlabError as exc:
+            raise _err(f"spec {self.name}", str(exc)) from None
         groups: list[Group] = []
         seen: dict[str, str] = {}
         for v in self.variants:
@@ -186,7 +202,7 @@ class Spec:
                     raise _err(where, f"the group name {name} is also made by variant "
                                       f"{seen[name]}: rename one of them")
                 seen[name] = v.name
-                cfg = variant_config(base, v, point, where)
+                cfg = variant_config(base, v, point, where, user)
                 identity = config_identity(cfg)
                 groups.append(Group(
                     name=name, variant=v.name, family=v.family or v.name, point=dict(point),
@@ -274,21 +290,28 @@ def group_name(variant: str, point: dict[str, Any]) -> str:
     return variant + "".join(f".{ABBREV.get(k, k)}{_fmt(v)}" for k, v in point.items())
 
 
-def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where: str
-                   ) -> RunConfig:
-    """base -> rule -> fields -> grid point -> the variant's `set`, validated as a RunConfig."""
-    data = base.to_dict()
+def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where: str,
+                   user: frozenset[str] = frozenset()) -> RunConfig:
+    """base -> rule (the `user` keys kept, experiments/rules.py) -> fields -> grid point -> the
+    variant's `set`, validated as a RunConfig, its attention kernel that of this machine."""
     try:
-        if v.rule:
-            derived = derive(base.model, v.rule)
-            data["model"] = derived.model.to_dict()
-            data["optim"]["weight_decay"] = derived.weight_decay
+        data = (apply_rule(base, v.rule, user) if v.rule else base).to_dict()
         for key, value in {**v.fields, **point}.items():
             data[VARIANT_FIELDS[key]][key] = value
         data = apply_overrides(data, list(v.set))
-        return RunConfig.from_dict(data)
+        return _on_this_machine(RunConfig.from_dict(data))
     except QkvlabError as exc:
         raise _err(where + (f" at {point}" if point else ""), str(exc)) from None
+
+
+def _on_this_machine(cfg: RunConfig) -> RunConfig:
+    """attn_impl = "auto" made the kernel of the device train.device names here, so that a run
+    folder's config.toml, the fingerprints and --reuse all see the kernel the run trains on."""
+    if cfg.model.attn_impl != "auto":
+        return cfg
+    from qkvlab.run.device import device_type  # torch: only for a kernel left to the device
+
+    return cfg.on_device(device_type(cfg.train.device))
 
 
 def config_identity(cfg: RunConfig) -> dict[str, Any]:
@@ -296,20 +319,18 @@ def config_identity(cfg: RunConfig) -> dict[str, Any]:
     skip = RESUME_HARMLESS | _PER_RUN_KEYS
     identity = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in skip}
                 for section, table in cfg.to_dict().items() if section != "run"}
-    if identity["model"].get("attn_scale") == "paper":
-        # recorded as null before attn_scale took rule names: keeps older sweeps' fingerprints
-        identity["model"]["attn_scale"] = None
+    identity["model"] = old_record_nulls(identity["model"])  # as older sweeps' records hold it
     return identity
 
 
 def identity_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """section.key (old -> new) for each key whose value differs.
 
-    A key the old record lacks (a config key added to qkvlab since) counts as its default, as
-    it does when the trainer reads an old config; a key only the old record has (removed since)
-    is ignored.
+    A key the old record lacks (a config key added to qkvlab since) counts as what it meant
+    when the record was written, as it does when the trainer reads an old config
+    (run.config.saved_config); a key only the old record has (removed since) is ignored.
     """
-    defaults = config_identity(RunConfig())
+    defaults = config_identity(saved_config({}))
     out = []
     for section in sorted(new):
         a, b = old.get(section, {}), new[section]

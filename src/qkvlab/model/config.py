@@ -7,11 +7,13 @@ reads it from here.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from qkvlab.errors import QkvlabError
+from qkvlab.errors import QkvlabError, require
+from qkvlab.model.scale import SCALE_RULES, attention_scale, learns_scale
 
 PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
 # gelu_tanh: the tanh approximation GPT-2 was trained with (Hugging Face "gelu_new").
@@ -26,29 +28,54 @@ POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
 RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
 # How softmax(q k^T * scale) v is computed (the names Hugging Face uses): "sdpa", PyTorch's
 # scaled_dot_product_attention (flash/memory-efficient kernels, fp32 scores); "eager", plain
-# matmuls with the T x T scores in the matmul dtype: on CPU in bf16 at d_k = 64 an attention
-# call (forward + backward) takes ~12 ms where SDPA's flash kernel takes ~27-32, and a whole
-# baby-shape training step ~30% less (docs/results/bench-baby-bf16-eager.txt).
-ATTN_IMPLS: tuple[str, ...] = ("sdpa", "eager")
-# Rules for the attention logit scale (docs/theory.md, "The attention scale"): "standard"
-# 1/sqrt(d_k); "paper" halves it for q-/k-identity (the published recipe, calibrated at
-# d = 768); "matched" gives q-/k-identity the baseline's initial logit std at any width;
-# "learned" starts at "matched" and learns one gain per head. A number sets the scale itself.
-ATTN_SCALE_RULES: tuple[str, ...] = ("paper", "standard", "matched", "learned")
+# matmuls with the T x T scores in the matmul dtype (model/attention_kernels.py; what it was
+# measured to buy on CPU: benchmarks/README.md); "auto", the kernel DEFAULT_ATTN_IMPL names for
+# the device the model runs on.
+ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "eager")
+# attn_impl = "auto" per device type; a device not listed gets SDPA, which every device has.
+DEFAULT_ATTN_IMPL: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa"}
+# What a key of a saved [model] table (a run's config.toml, a checkpoint's state.json) means
+# when the version that wrote it left it out or wrote null: attn_scale was null for "paper"
+# before it took rule names, and runs saved before attn_impl = "auto" ran on SDPA.
+SAVED_DEFAULTS: dict[str, Any] = {"attn_scale": "paper", "attn_impl": "sdpa"}
+# Of those, the keys that records written before the rule names stored as null, as sweep
+# fingerprints still hash them (experiments/spec.py).
+NULL_IN_OLD_RECORDS: tuple[str, ...] = ("attn_scale",)
 
 
-def _need(ok: bool, msg: str) -> None:
-    if not ok:
-        raise QkvlabError(f"invalid model config: {msg}")
+def kernel_for(attn_impl: str, device_type: str) -> str:
+    """The attention kernel `attn_impl` means on a device of `device_type` ("cpu", "cuda")."""
+    if attn_impl != "auto":
+        return attn_impl
+    return DEFAULT_ATTN_IMPL.get(device_type, "sdpa")
+
+
+def migrate_model_table(table: Any) -> Any:
+    """A saved [model] table in today's terms: each SAVED_DEFAULTS key it lacks (or holds as
+    null) gets the value it meant when it was written. Anything but a table is returned as it
+    is, for from_dict to refuse."""
+    if not isinstance(table, dict):
+        return table
+    return {**table, **{k: v for k, v in SAVED_DEFAULTS.items() if table.get(k) is None}}
+
+
+def old_record_nulls(table: dict[str, Any]) -> dict[str, Any]:
+    """The inverse for fingerprints: a NULL_IN_OLD_RECORDS key holding its saved default is
+    written as null, as records made before the rule names hold it."""
+    return {**table, **{k: None for k in NULL_IN_OLD_RECORDS
+                        if table.get(k) == SAVED_DEFAULTS[k]}}
 
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
-    """Shape and layout of a GPT (causal) or encoder (bidirectional) transformer."""
+    """Shape and layout of a GPT (causal) or encoder (bidirectional) transformer.
+
+    Frozen: a changed config is `dataclasses.replace(cfg, ...)`, which validates it again.
+    """
 
     n_layer: int = 6
     n_head: int = 6
@@ -72,8 +99,8 @@ class ModelConfig:
     share_layers: bool = False  # one block applied n_layer times (ALBERT-style)
     causal: bool = True  # False: bidirectional encoder
     projection: str = "baseline"
-    attn_scale: float | str = "paper"  # a number, or one of ATTN_SCALE_RULES
-    attn_impl: str = "sdpa"  # "sdpa" | "eager", see ATTN_IMPLS
+    attn_scale: float | str = "paper"  # a number, or a rule of model/scale.py's SCALE_RULES
+    attn_impl: str = "auto"  # see ATTN_IMPLS
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -105,69 +132,52 @@ class ModelConfig:
         return 3 if self.mlp == "swiglu" else 2
 
     @property
-    def identity_qk(self) -> bool:
-        """True when the query or the key is the identity (the logits are then raw coordinate
-        products of the norm's output, not of a projection initialised at init_std)."""
-        return self.projection in ("q-identity", "k-identity")
-
-    @property
-    def scale_rule(self) -> str:
-        """The rule behind `scale`: one of ATTN_SCALE_RULES, or "number" for an explicit one."""
-        return self.attn_scale if isinstance(self.attn_scale, str) else "number"
-
-    @property
     def learned_scale(self) -> bool:
         """One learnable gain per head multiplies `scale` (initialised at 1)."""
-        return self.attn_scale == "learned"
+        return learns_scale(self.attn_scale)
 
     @property
     def scale(self) -> float:
         """The attention logit scale (for "learned": its initial value, before the gains)."""
-        rule = self.scale_rule
-        if rule == "number":
-            return float(self.attn_scale)
-        standard = 1.0 / math.sqrt(self.d_head)
-        if rule == "standard" or not self.identity_qk:
-            return standard
-        if rule == "paper":
-            return standard / 2
-        # matched / learned: a projected query coordinate starts with std init_std * sqrt(d)
-        # (unit-variance input, N(0, init_std^2) weights); an identity one with std 1
-        return standard * self.init_std * math.sqrt(self.n_embd)
+        return attention_scale(self.attn_scale, self.projection, self.n_embd, self.d_head,
+                               self.init_std)
 
-    @property
-    def default_attn_scale(self) -> float:
-        """The "paper" rule's scale: 1/sqrt(d_k), halved when Q or K is the identity."""
-        standard = 1.0 / math.sqrt(self.d_head)
-        return standard / 2 if self.identity_qk else standard
+    def on_device(self, device_type: str) -> ModelConfig:
+        """This config with attn_impl = "auto" made the kernel of `device_type` (what a run
+        records: the kernel it ran on)."""
+        kernel = kernel_for(self.attn_impl, device_type)
+        return self if kernel == self.attn_impl else dataclasses.replace(self, attn_impl=kernel)
 
     # ---- validation ---------------------------------------------------------------------
     def validate(self) -> None:
         """Refuse a config no model can be built from, with one line naming the fix."""
-        self._check_sizes()
-        self._check_choices()
-        self._resolve_attn_scale()
-        self._check_shapes()
+        try:
+            self._check_sizes()
+            self._check_choices()
+            self._check_attn_scale()
+            self._check_shapes()
+        except QkvlabError as exc:
+            raise QkvlabError(f"invalid model config: {exc}") from None
 
     def _check_sizes(self) -> None:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
-            _need(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
+            require(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
         for name in ("n_kv_head", "head_dim", "mlp_hidden"):
             value = getattr(self, name)
-            _need(value is None or _positive_int(value),
+            require(value is None or _positive_int(value),
                   f"{name} must be a positive integer or unset, got {value!r}")
-        _need(self.n_layer <= 1024 and self.n_embd <= 65536 and self.block_size <= 1 << 20,
+        require(self.n_layer <= 1024 and self.n_embd <= 65536 and self.block_size <= 1 << 20,
               f"sizes are absurd (n_layer={self.n_layer}, n_embd={self.n_embd}, "
               f"block_size={self.block_size}); check the config")
-        _need(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
-        _need(0.0 < float(self.mlp_ratio) <= 64.0,
+        require(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
+        require(0.0 < float(self.mlp_ratio) <= 64.0,
               f"mlp_ratio must be in (0, 64], got {self.mlp_ratio!r}")
-        _need(0.0 <= float(self.dropout) < 1.0,
+        require(0.0 <= float(self.dropout) < 1.0,
               f"dropout must be in [0, 1), got {self.dropout!r}")
-        _need(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
-        _need(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
-        _need(self.norm_eps is None or 0.0 < float(self.norm_eps) < 1.0,
+        require(float(self.init_std) > 0.0, f"init_std must be > 0, got {self.init_std!r}")
+        require(float(self.rope_base) > 1.0, f"rope_base must be > 1, got {self.rope_base!r}")
+        require(self.norm_eps is None or 0.0 < float(self.norm_eps) < 1.0,
               f"norm_eps must be in (0, 1) or unset, got {self.norm_eps!r}")
 
     def _check_choices(self) -> None:
@@ -175,43 +185,42 @@ class ModelConfig:
                               ("mlp", MLPS), ("norm", NORMS), ("positions", POSITIONS),
                               ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS)):
             value = getattr(self, name)
-            _need(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+            require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
 
-    def _resolve_attn_scale(self) -> None:
-        rules = ", ".join(ATTN_SCALE_RULES)
-        if self.attn_scale is None:  # configs written before the rules: absent meant "paper"
-            self.attn_scale = "paper"
-        if isinstance(self.attn_scale, str):
-            _need(self.attn_scale in ATTN_SCALE_RULES,
-                  f"attn_scale={self.attn_scale!r} is not a number or one of {rules}")
+    def _check_attn_scale(self) -> None:
+        value = self.attn_scale
+        if isinstance(value, str):
+            learns_scale(value)  # refuses a name that is not a rule, listing the rules
             return
-        _need(isinstance(self.attn_scale, int | float) and not isinstance(self.attn_scale, bool)
-              and math.isfinite(self.attn_scale) and self.attn_scale > 0,
-              f"attn_scale must be a number > 0 or one of {rules}, got {self.attn_scale!r}")
-        self.attn_scale = float(self.attn_scale)
+        require(isinstance(value, int | float) and not isinstance(value, bool)
+                and math.isfinite(value) and value > 0,
+                f"attn_scale must be a number > 0 or one of {', '.join(SCALE_RULES)}, "
+                f"got {value!r}")
+        # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
+        object.__setattr__(self, "attn_scale", float(value))
 
     def _check_shapes(self) -> None:
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd
-        _need(self.head_dim is not None or d % h == 0,
+        require(self.head_dim is not None or d % h == 0,
               f"n_embd ({d}) must be divisible by n_head ({h}) unless head_dim is set")
-        _need(h % hkv == 0,
+        require(h % hkv == 0,
               f"n_head ({h}) must be divisible by n_kv_head ({hkv}) for grouped-query attention")
         if self.projection in ("q-identity", "k-identity", "v-identity"):
             which = self.projection[0].upper()
-            _need(h * dk == d,
+            require(h * dk == d,
                   f"projection={self.projection} needs n_head * head_dim == n_embd "
                   f"(the identity W_{which} is d x d), got {h} * {dk} != {d}")
         if self.projection in ("k-identity", "v-identity"):
-            _need(hkv == h,
+            require(hkv == h,
                   f"projection={self.projection} needs n_kv_head == n_head (under GQA only W_Q "
                   f"is square), got n_kv_head={hkv}, n_head={h}")
         if self.projection == "nonlinear-q":
-            _need(h * dk == d,
+            require(h * dk == d,
                   f"projection=nonlinear-q needs n_head * head_dim == n_embd "
                   f"(Q(X) = (X + f(X))/2), got {h} * {dk} != {d}")
-            _need(d % 2 == 0, f"projection=nonlinear-q needs an even n_embd, got {d}")
+            require(d % 2 == 0, f"projection=nonlinear-q needs an even n_embd, got {d}")
         if self.positions == "rope":
-            _need(dk % 2 == 0, f"positions=rope needs an even head_dim, got {dk}")
+            require(dk % 2 == 0, f"positions=rope needs an even head_dim, got {dk}")
 
     # ---- (de)serialisation --------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

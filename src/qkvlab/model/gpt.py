@@ -7,13 +7,16 @@ Shapes: B batch, T time, d = n_embd, H heads, Hkv key/value heads, dk head size.
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkvlab.errors import require
 from qkvlab.model.attention_kernels import eager_attention
-from qkvlab.model.config import ModelConfig
+from qkvlab.model.attention_layout import AttentionLayout, Projections
+from qkvlab.model.config import ModelConfig, kernel_for
 
 
 def make_norm(kind: str, dim: int, bias: bool, eps: float | None = None) -> nn.Module:
@@ -79,6 +82,8 @@ class Attention(nn.Module):
       nonlinear-q   q = (x + f(x)) / 2; k, v fused
     The logits are q k^T * cfg.scale; with attn_scale = "learned", head h's are further
     multiplied by its own learnable gain (logit_gain[h], initialised at 1).
+    Outside the model, read and write W_Q, W_K, W_V with `projections` / `load_projections`
+    (never by cutting in_proj), and take the logits or weights from `scores` / `probabilities`.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -87,12 +92,9 @@ class Attention(nn.Module):
         self.projection = cfg.projection
         self.n_head, self.n_kv_head, self.d_head = cfg.n_head, cfg.kv_heads, cfg.d_head
         self.scale = cfg.scale
-        q_dim, kv_dim = self.n_head * self.d_head, self.n_kv_head * self.d_head
-        self.sizes = (
-            0 if cfg.projection in ("q-identity", "nonlinear-q") else q_dim,
-            0 if cfg.projection == "k-identity" else kv_dim,
-            0 if cfg.projection == "v-identity" else kv_dim,
-        )
+        q_dim = self.n_head * self.d_head
+        self.layout = AttentionLayout.of(cfg)  # which rows of in_proj hold W_Q, W_K, W_V
+        self.sizes = self.layout.sizes
         self.in_proj = nn.Linear(cfg.n_embd, sum(self.sizes), bias=cfg.bias)
         self.out_proj = nn.Linear(q_dim, cfg.n_embd, bias=cfg.bias)
         self.query_map = NonlinearQuery(cfg.n_embd, cfg.bias) if cfg.projection == "nonlinear-q" \
@@ -133,6 +135,48 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 
+    def projections(self) -> Projections:
+        """W_Q, W_K, W_V and their biases as views of in_proj, nn.Linear's (out, in); None for
+        an identity projection (and the nonlinear query's W_Q). Write with load_projections."""
+        return self.layout.split(self.in_proj.weight, self.in_proj.bias)
+
+    @torch.no_grad()
+    def load_projections(self, parts: Projections) -> None:
+        """Copy every part `parts` holds into in_proj (cast to its dtype); the parts it leaves
+        None keep their values. A part this attention does not have is refused."""
+        current = self.projections()
+        for name in (f.name for f in fields(Projections)):
+            new, slot = getattr(parts, name), getattr(current, name)
+            if new is None:
+                continue
+            require(slot is not None, f"{name} given, but this attention has none "
+                                      f"(projection={self.projection}, bias={self.cfg.bias})")
+            require(new.shape == slot.shape,
+                    f"{name} must be {tuple(slot.shape)}, got {tuple(new.shape)}")
+            slot.copy_(new)
+
+    def allowed(self, T: int, device: torch.device | None = None) -> torch.Tensor:
+        """(T, T) bool: query i may attend to key j (j <= i when causal)."""
+        every = torch.ones(T, T, dtype=torch.bool, device=device)
+        return every.tril() if self.cfg.causal else every
+
+    def scores(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+               *, masked: bool = True) -> torch.Tensor:
+        """The logits forward's softmax sees, (B, H, T, T), for the normed input x (B, T, d):
+        q k^T * scale, with any learned gain and RoPE, each query head against its key head;
+        with `masked`, the pairs outside `allowed` are -inf."""
+        q, k, _ = self.heads(x, rope)
+        k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        logits = q @ k.transpose(-2, -1) * self.scale
+        if not masked:
+            return logits
+        return logits.masked_fill(~self.allowed(x.shape[1], x.device), float("-inf"))
+
+    def probabilities(self, x: torch.Tensor,
+                      rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """The attention weights (B, H, T, T) forward applies to v (without dropout)."""
+        return self.scores(x, rope).softmax(-1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -158,8 +202,9 @@ class Attention(nn.Module):
                 if T > 1:
                     qpos = torch.arange(start_pos, end, device=x.device)[:, None]
                     mask = qpos >= torch.arange(end, device=x.device)[None, :]
-        attend = eager_attention if self.cfg.attn_impl == "eager" else \
-            F.scaled_dot_product_attention
+        # "auto" is decided here, by the device the input is on
+        attend = eager_attention if kernel_for(self.cfg.attn_impl, q.device.type) == "eager" \
+            else F.scaled_dot_product_attention
         y = attend(
             q, k, v,
             attn_mask=mask,

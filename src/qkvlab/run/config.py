@@ -11,16 +11,16 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-from qkvlab.errors import QkvlabError
+from qkvlab.errors import QkvlabError, require
 from qkvlab.fsutil import write_text_atomic
-from qkvlab.model.config import ModelConfig, coerce, from_table
+from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table
 from qkvlab.run.layout import CONFIG_FILE
 
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
@@ -38,11 +38,6 @@ EMBEDDED_SOURCE = "shakespeare"
 BARE_WORD = re.compile(r"[^\s\"'\[\]{}=#\\][^\"'\[\]{}=#\\\x00-\x1f\x7f]*")
 RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*")
 
-def _need(ok: bool, where: str, msg: str) -> None:
-    if not ok:
-        raise QkvlabError(f"invalid config: {where} {msg}")
-
-
 def _to_dict(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
@@ -58,9 +53,8 @@ class DataConfig:
     prepare_if_missing: bool = True
 
     def __post_init__(self) -> None:
-        _need(bool(self.dir), "data.dir", "must not be empty")
-        _need(bool(self.source), "data.source", "must not be empty")
-        _need(bool(self.tokenizer), "data.tokenizer", "must not be empty")
+        for name in ("dir", "source", "tokenizer"):
+            require(bool(getattr(self, name)), f"invalid config: data.{name} must not be empty")
 
     def prepare_hint(self) -> str:
         """The `qkvlab prepare` command line that creates this data dir."""
@@ -83,20 +77,23 @@ class OptimConfig:
     grad_clip: float = 1.0  # 0 disables clipping (the norm is still logged)
 
     def __post_init__(self) -> None:
-        _need(math.isfinite(self.lr) and self.lr > 0, "optim.lr", f"must be > 0, got {self.lr}")
-        _need(0 <= self.min_lr <= self.lr, "optim.min_lr",
-              f"must be in [0, lr={self.lr}], got {self.min_lr}")
-        _need(self.warmup_steps >= 0, "optim.warmup_steps", f"must be >= 0, got "
-              f"{self.warmup_steps}")
-        _need(self.decay_steps is None or self.decay_steps > self.warmup_steps, "optim.decay_steps",
-              f"must exceed warmup_steps={self.warmup_steps} or be unset, got {self.decay_steps}")
-        _need(self.weight_decay >= 0, "optim.weight_decay", f"must be >= 0, got "
-              f"{self.weight_decay}")
+        require(math.isfinite(self.lr) and self.lr > 0,
+                f"invalid config: optim.lr must be > 0, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr,
+                f"invalid config: optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+        require(self.warmup_steps >= 0,
+                f"invalid config: optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        require(self.decay_steps is None or self.decay_steps > self.warmup_steps,
+                f"invalid config: optim.decay_steps must exceed warmup_steps="
+                f"{self.warmup_steps} or be unset, got {self.decay_steps}")
+        require(self.weight_decay >= 0,
+                f"invalid config: optim.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
-            _need(0 <= value < 1, f"optim.{name}", f"must be in [0, 1), got {value}")
-        _need(self.eps > 0, "optim.eps", f"must be > 0, got {self.eps}")
-        _need(self.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {self.grad_clip}")
+            require(0 <= value < 1, f"invalid config: optim.{name} must be in [0, 1), got {value}")
+        require(self.eps > 0, f"invalid config: optim.eps must be > 0, got {self.eps}")
+        require(self.grad_clip >= 0,
+                f"invalid config: optim.grad_clip must be >= 0, got {self.grad_clip}")
 
 
 @dataclass
@@ -130,21 +127,20 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_windows",
                      "log_interval", "ckpt_interval", "keep_last", "max_nonfinite"):
             value = getattr(self, name)
-            _need(value >= 1, f"train.{name}", f"must be >= 1, got {value}")
-        _need(self.eval_batch_size is None or self.eval_batch_size >= 1, "train.eval_batch_size",
-              f"must be >= 1 or unset, got {self.eval_batch_size}")
-        _need(self.seed >= 0, "train.seed", f"must be >= 0, got {self.seed}")
-        _need(self.dtype in DTYPES, "train.dtype",
-              f"must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        _need(self.device in DEVICES, "train.device",
-              f"must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        _need(self.peak_flops is None or self.peak_flops > 0, "train.peak_flops",
-              f"must be > 0 or unset, got {self.peak_flops}")
-        _need(self.parallel in PARALLEL, "train.parallel",
-              f"must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
-        _need(self.objective in OBJECTIVES, "train.objective",
-              f"must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        _need(0 < self.mlm_prob < 1, "train.mlm_prob", f"must be in (0, 1), got {self.mlm_prob}")
+            require(value >= 1, f"invalid config: train.{name} must be >= 1, got {value}")
+        require(self.eval_batch_size is None or self.eval_batch_size >= 1,
+                f"invalid config: train.eval_batch_size must be >= 1 or unset, got "
+                f"{self.eval_batch_size}")
+        require(self.seed >= 0, f"invalid config: train.seed must be >= 0, got {self.seed}")
+        for name, choices in (("dtype", DTYPES), ("device", DEVICES), ("parallel", PARALLEL),
+                              ("objective", OBJECTIVES)):
+            value = getattr(self, name)
+            require(value in choices, f"invalid config: train.{name} must be one of "
+                                      f"{', '.join(choices)}, got {value!r}")
+        require(self.peak_flops is None or self.peak_flops > 0,
+                f"invalid config: train.peak_flops must be > 0 or unset, got {self.peak_flops}")
+        require(0 < self.mlm_prob < 1,
+                f"invalid config: train.mlm_prob must be in (0, 1), got {self.mlm_prob}")
 
 
 @dataclass
@@ -160,8 +156,14 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         # a causal model cannot see the context right of a masked token
-        _need(self.train.objective != "mlm" or not self.model.causal, "train.objective",
-              "= mlm needs a bidirectional encoder: set model.causal = false")
+        require(self.train.objective != "mlm" or not self.model.causal,
+                "invalid config: train.objective = mlm needs a bidirectional encoder: set "
+                "model.causal = false")
+
+    def on_device(self, device_type: str) -> RunConfig:
+        """This config with model.attn_impl = "auto" made the kernel of `device_type`."""
+        model = self.model.on_device(device_type)
+        return self if model is self.model else replace(self, model=model)
 
     @property
     def run_dir(self) -> Path:
@@ -206,11 +208,12 @@ class RunConfig:
             )
         name = coerce(run.get("name", "run"), "str", "run.name")
         out_dir = coerce(run.get("out_dir"), "str | None", "run.out_dir")
-        _need(bool(name.strip()), "run.name", "must not be empty")
+        require(bool(name.strip()), "invalid config: run.name must not be empty")
         # runs/<name> must stay inside runs/: one path component (out_dir is the user's own)
-        _need(bool(RUN_NAME.fullmatch(name)), "run.name",
-              f"must be one folder name of letters, digits and . _ - + (not starting with .), "
-              f"got {name!r}; set run.out_dir for a folder elsewhere")
+        require(bool(RUN_NAME.fullmatch(name)),
+                f"invalid config: run.name must be one folder name of letters, digits and "
+                f". _ - + (not starting with .), got {name!r}; set run.out_dir for a folder "
+                f"elsewhere")
         model = data.get("model", {})
         if not isinstance(model, dict):
             raise QkvlabError(f"[model] must be a table of key = value pairs, got {model!r}")
@@ -266,7 +269,9 @@ def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             raise QkvlabError(f"cannot read config {path} ({exc}): check the path") from None
-        return _read_toml(text, f"config {path}"), str(path)
+        data = _read_toml(text, f"config {path}")
+        # a run's saved config (the name runs give it) may predate keys: read it as it was meant
+        return (migrate_saved(data) if path.name == CONFIG_FILE else data), str(path)
     name = str(path_or_preset).removesuffix(".toml")
     if name in preset_names():
         return _read_toml(preset_text(name), f"preset {name}"), f"preset {name}"
@@ -276,28 +281,53 @@ def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]
     )
 
 
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """Split 'section.key=value' into (section, key, value); value is a TOML literal or a string."""
+def migrate_saved(data: dict[str, Any]) -> dict[str, Any]:
+    """A run's saved config (its config.toml, a checkpoint's state.json) in today's terms: its
+    [model] table through model.config.migrate_model_table."""
+    return {**data, "model": migrate_model_table(data.get("model", {}))}
+
+
+def saved_config(data: dict[str, Any]) -> RunConfig:
+    """The RunConfig of a run's saved config, as the version that wrote it meant it."""
+    return RunConfig.from_dict(migrate_saved(data))
+
+
+def parse_override(item: str, default_section: str | None = None) -> tuple[str, str, Any]:
+    """Split 'section.key=value' into (section, key, value); value is a TOML literal or a string.
+
+    With `default_section`, a plain 'key=value' means that section's key (`qkvlab bench
+    --set n_layer=4`).
+    """
     target, sep, raw = item.partition("=")
-    section, dot, key = target.strip().partition(".")
+    target = target.strip()
+    if default_section and "." not in target:
+        target = f"{default_section}.{target}"
+    section, dot, key = target.partition(".")
     if not sep or not dot or not section or not key or "." in key:
-        raise QkvlabError(
-            f"override {item!r} is not section.key=value: write e.g. --set optim.lr=1e-3"
-        )
-    raw = raw.strip()
+        form, example = ((f"key=value or {default_section}.key=value", "KEY=VALUE")
+                         if default_section else ("section.key=value", "optim.lr=1e-3"))
+        raise QkvlabError(f"override {item!r} is not {form}: write e.g. --set {example}")
+    value = _override_value(item, f"{section}.{key}", raw.strip())
+    if not isinstance(value, str) and _field_type(section, key).startswith("str"):
+        value = raw.strip()  # a text field given what TOML reads as a number or date (2024)
+    return section, key, value
+
+
+def _override_value(item: str, target: str, raw: str) -> Any:
+    """The value of a `--set`: a TOML literal, else a bare word or path taken as a string."""
     try:
-        value = tomllib.loads(f"v = {raw}")["v"]
+        return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         # a bare word such as q-identity or a path is taken as a string; anything else that is
         # not TOML (an unterminated quote, a bracket, a space) is a mistake, not a string
-        if not BARE_WORD.fullmatch(raw):
-            raise QkvlabError(
+        require(BARE_WORD.fullmatch(raw) is not None,
                 f"--set {item!r}: {raw!r} is not a TOML value; quote a string "
-                f"({section}.{key}=\"...\") or give a bare word or path without quotes, "
-                "brackets or braces"
-            ) from None
-        value = raw
-    return section, key, value
+                f"({target}=\"...\") or give a bare word or path without quotes, brackets or "
+                "braces")
+        return raw
+    except RecursionError:  # brackets nested thousands deep: tomllib recurses per level
+        raise QkvlabError(f"--set {item[:60]!r}...: the value nests too deeply to be a "
+                          "config value") from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -313,20 +343,17 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         table = out.setdefault(section, {})
         if not isinstance(table, dict):
             raise QkvlabError(f"[{section}] in the config is not a table: fix the config file")
-        if not isinstance(value, str) and _field_type(section, key).startswith("str"):
-            # a text field given something TOML reads as a number or date (run.name=2024)
-            value = item.partition("=")[2].strip()
         table[key] = value
     return out
 
 
 def _field_type(section: str, key: str) -> str:
-    """The annotation string of section.key ("" when the key is unknown)."""
+    """The annotation string of section.key ("" when the section or key is unknown)."""
     if section == "run":
         return {"name": "str", "out_dir": "str | None"}.get(key, "")
     cls = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig,
-           "train": TrainConfig}[section]
-    return next((str(f.type) for f in fields(cls) if f.name == key), "")
+           "train": TrainConfig}.get(section)
+    return next((str(f.type) for f in fields(cls) if f.name == key), "") if cls else ""
 
 
 def load_config(path_or_preset: str | Path, overrides: list[str] | None = None) -> RunConfig:
@@ -344,7 +371,7 @@ def config_toml(cfg: RunConfig) -> str:
     data = {section: _drop_none(table) for section, table in cfg.to_dict().items()}
     text = tomli_w.dumps(data)
     m = cfg.model
-    if m.scale_rule != "number":  # record the number a rule resolves to beside the rule
+    if isinstance(m.attn_scale, str):  # record the number a rule resolves to beside the rule
         line = f"attn_scale = {tomli_w.dumps({'v': m.attn_scale})[4:].strip()}\n"
         what = "initial value; times a learned gain per head" if m.learned_scale else "resolved"
         text = text.replace(line, f"{line[:-1]}  # {what}: {m.scale:.6g}\n", 1)

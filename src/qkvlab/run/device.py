@@ -10,10 +10,18 @@ import torch
 from qkvlab.errors import QkvlabError
 
 
+def device_type(name: str) -> str:
+    """The device type train.device names on this machine ("auto": CUDA when visible, else
+    CPU), without resolve_device's check that a named GPU is there."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def resolve_device(name: str) -> torch.device:
     """train.device -> torch.device ("auto": CUDA when visible, else CPU)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(device_type(name))
     if name == "cuda" and not torch.cuda.is_available():
         raise QkvlabError("train.device = cuda but no CUDA GPU is visible: "
                           "use --set train.device=cpu (or auto)")

@@ -1,0 +1,72 @@
+"""The attention logit scale: one table of rules and one pure function from a setting to the number.
+
+`model.attn_scale` is a number (the scale itself) or the name of a rule in SCALE_RULES
+(docs/theory.md, "The attention scale"). A rule maps (projection, d, d_k, init_std) to the
+scale that multiplies q k^T; a new rule is one entry in the table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from qkvlab.errors import require
+
+# Schemes whose logits are raw coordinate products of the norm's output (unit variance), not
+# products with a projection initialised at init_std.
+IDENTITY_QK: tuple[str, ...] = ("q-identity", "k-identity")
+
+
+def _standard(projection: str, d: int, d_k: int, init_std: float) -> float:
+    return 1.0 / math.sqrt(d_k)
+
+
+def _paper(projection: str, d: int, d_k: int, init_std: float) -> float:
+    standard = _standard(projection, d, d_k, init_std)
+    return standard / 2 if projection in IDENTITY_QK else standard
+
+
+def _matched(projection: str, d: int, d_k: int, init_std: float) -> float:
+    # a projected query coordinate starts with std init_std * sqrt(d) (unit-variance input,
+    # N(0, init_std^2) weights); an identity one with std 1
+    standard = _standard(projection, d, d_k, init_std)
+    return standard * init_std * math.sqrt(d) if projection in IDENTITY_QK else standard
+
+
+@dataclass(frozen=True)
+class ScaleRule:
+    """How a rule turns the model's shape into its scale."""
+
+    resolve: Callable[[str, int, int, float], float]  # (projection, d, d_k, init_std) -> scale
+    learned: bool = False  # one learnable gain per head (initialised at 1) multiplies the scale
+
+
+SCALE_RULES: dict[str, ScaleRule] = {
+    # 1/sqrt(d_k), halved for q-/k-identity: the published recipe, calibrated at d = 768
+    "paper": ScaleRule(_paper),
+    "standard": ScaleRule(_standard),  # 1/sqrt(d_k) for every scheme
+    # q-/k-identity start with the baseline's initial logit std, at any width
+    "matched": ScaleRule(_matched),
+    "learned": ScaleRule(_matched, learned=True),  # starts at "matched", learns a gain per head
+}
+
+
+def _rule(name: str) -> ScaleRule:
+    require(name in SCALE_RULES,
+            f"attn_scale={name!r} is not a number or one of {', '.join(SCALE_RULES)}")
+    return SCALE_RULES[name]
+
+
+def attention_scale(setting: float | str, projection: str, d: int, d_k: int,
+                    init_std: float) -> float:
+    """The logit scale `setting` gives a model of this shape (for a learned rule: its value
+    before the per-head gains)."""
+    if isinstance(setting, str):
+        return _rule(setting).resolve(projection, d, d_k, init_std)
+    return float(setting)
+
+
+def learns_scale(setting: float | str) -> bool:
+    """True when `setting` adds one learnable gain per head."""
+    return isinstance(setting, str) and _rule(setting).learned

@@ -1,0 +1,203 @@
+"""The attention scale's one table and pure function (model/scale.py), the frozen ModelConfig,
+the migration of saved configs (model.config.migrate_model_table) and the per-device attention
+kernel (attn_impl = "auto", DEFAULT_ATTN_IMPL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+
+import pytest
+import torch
+
+from helpers import tiny_config
+from qkvlab.errors import QkvlabError
+from qkvlab.experiments.spec import config_identity, identity_diff
+from qkvlab.fsutil import sha256_file
+from qkvlab.model import config as model_config
+from qkvlab.model import gpt as gpt_module
+from qkvlab.model import scale as scale_module
+from qkvlab.model.config import (
+    DEFAULT_ATTN_IMPL,
+    ModelConfig,
+    kernel_for,
+    migrate_model_table,
+    old_record_nulls,
+)
+from qkvlab.model.gpt import GPT
+from qkvlab.model.scale import SCALE_RULES, ScaleRule, attention_scale, learns_scale
+from qkvlab.run.config import (
+    RunConfig,
+    config_toml,
+    load_config,
+    read_config_source,
+    save_config,
+    saved_config,
+)
+from qkvlab.train import train
+
+D, DK, INIT = 256, 64, 0.02
+
+
+@pytest.mark.parametrize("projection", ["baseline", "q-identity", "k-identity", "v-identity",
+                                        "nonlinear-q"])
+def test_the_function_gives_each_rules_number(projection):
+    standard = 1 / math.sqrt(DK)
+    identity = projection in ("q-identity", "k-identity")
+    expected = {"standard": standard,
+                "paper": standard / 2 if identity else standard,
+                "matched": standard * INIT * math.sqrt(D) if identity else standard}
+    expected["learned"] = expected["matched"]
+    assert set(expected) == set(SCALE_RULES)
+    for rule, number in expected.items():
+        assert attention_scale(rule, projection, D, DK, INIT) == number, rule
+        cfg = ModelConfig(n_layer=1, n_head=4, n_embd=D, projection=projection, attn_scale=rule)
+        assert cfg.scale == number and cfg.learned_scale == (rule == "learned")
+    assert attention_scale(0.3, projection, D, DK, INIT) == 0.3
+
+
+def test_only_the_learned_rule_learns_and_unknown_names_list_the_rules():
+    assert [r for r in SCALE_RULES if learns_scale(r)] == ["learned"]
+    assert not learns_scale(0.2)
+    with pytest.raises(QkvlabError, match="'bogus' is not a number or one of paper, standard"):
+        attention_scale("bogus", "baseline", D, DK, INIT)
+
+
+def test_a_new_rule_is_one_table_entry(monkeypatch):
+    monkeypatch.setitem(SCALE_RULES, "twice", ScaleRule(lambda p, d, dk, init: 2 / math.sqrt(dk)))
+    cfg = ModelConfig(n_layer=1, n_head=4, n_embd=D, attn_scale="twice")
+    assert cfg.scale == 2 / 8 and not cfg.learned_scale
+    text = config_toml(RunConfig(model=cfg))
+    assert 'attn_scale = "twice"  # resolved: 0.25' in text
+    assert GPT(cfg).blocks[0].attn.scale == 0.25
+    assert scale_module.SCALE_RULES is SCALE_RULES  # the one table the config reads
+
+
+def test_model_config_is_frozen_and_replace_validates():
+    cfg = ModelConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.attn_scale = "standard"  # type: ignore[misc]
+    assert dataclasses.replace(cfg, attn_scale="standard").attn_scale == "standard"
+    with pytest.raises(QkvlabError) as err:
+        dataclasses.replace(cfg, n_embd=100)
+    assert str(err.value).startswith("invalid model config: n_embd (100) must be divisible")
+    assert str(err.value).count("invalid model config") == 1
+    # one spelling for one scale: an integer is kept as the float it means
+    assert ModelConfig(attn_scale=1).attn_scale == 1.0
+    assert isinstance(ModelConfig(attn_scale=1).to_dict()["attn_scale"], float)
+    assert hash(cfg) == hash(ModelConfig())  # frozen: usable as a key
+
+
+def test_saved_tables_are_migrated_in_one_place():
+    assert migrate_model_table({}) == {"attn_scale": "paper", "attn_impl": "sdpa"}
+    old = {"n_embd": 64, "attn_scale": None}
+    assert migrate_model_table(old) == {"n_embd": 64, "attn_scale": "paper", "attn_impl": "sdpa"}
+    assert old == {"n_embd": 64, "attn_scale": None}  # the input is left alone
+    kept = {"attn_scale": 0.1, "attn_impl": "eager"}
+    assert migrate_model_table(kept) == kept
+    assert migrate_model_table("not a table") == "not a table"
+    # fingerprints hash the rule as null, as records made before the rule names hold it
+    assert old_record_nulls({"attn_scale": "paper", "attn_impl": "sdpa"}) == \
+        {"attn_scale": None, "attn_impl": "sdpa"}
+    assert old_record_nulls({"attn_scale": "standard"}) == {"attn_scale": "standard"}
+
+
+def test_a_runs_config_toml_is_read_as_saved_but_other_configs_are_not(tmp_path):
+    table = 'n_layer = 1\nn_head = 2\nn_embd = 32\n'
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text(f"[model]\n{table}", encoding="utf-8")
+    mine = tmp_path / "mine.toml"
+    mine.write_text(f"[model]\n{table}", encoding="utf-8")
+    assert load_config(run).model.attn_impl == "sdpa"  # an old run ran on SDPA
+    assert load_config(run / "config.toml").model.attn_impl == "sdpa"
+    assert read_config_source(run)[0]["model"]["attn_scale"] == "paper"
+    assert load_config(mine).model.attn_impl == "auto"  # a new config: the device decides
+    assert load_config("shakespeare-char").model.attn_impl == "auto"
+    assert saved_config({"model": {"attn_scale": None}}).model.attn_scale == "paper"
+
+
+def test_old_sweep_records_without_a_kernel_match_sdpa():
+    cfg = load_config("compare-quick", ["model.attn_impl=sdpa"])
+    identity = config_identity(cfg)
+    assert identity["model"]["attn_scale"] is None and identity["model"]["attn_impl"] == "sdpa"
+    old = json.loads(json.dumps(identity))
+    del old["model"]["attn_impl"]  # a record written before the key existed
+    assert identity_diff(old, identity) == []
+    eager = config_identity(load_config("compare-quick", ["model.attn_impl=eager"]))
+    assert identity_diff(old, eager) == ["model.attn_impl ('sdpa' -> 'eager')"]
+
+
+def test_auto_resolves_by_one_table(monkeypatch):
+    assert set(DEFAULT_ATTN_IMPL) == {"cpu", "cuda"}
+    for device, kernel in DEFAULT_ATTN_IMPL.items():
+        assert kernel_for("auto", device) == kernel
+    assert kernel_for("auto", "mps") == "sdpa" and kernel_for("eager", "cuda") == "eager"
+    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")
+    auto = ModelConfig()
+    assert auto.on_device("cpu").attn_impl == "eager"
+    assert auto.on_device("cuda").attn_impl == DEFAULT_ATTN_IMPL["cuda"]
+    pinned = ModelConfig(attn_impl="sdpa")
+    assert pinned.on_device("cpu") is pinned
+
+
+@pytest.mark.parametrize("cpu_kernel", ["sdpa", "eager"])
+def test_a_gpt_with_auto_picks_the_kernel_by_the_inputs_device(monkeypatch, cpu_kernel):
+    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", cpu_kernel)
+    calls = []
+    real = gpt_module.eager_attention
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gpt_module, "eager_attention", spy)
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=40))
+    assert model.cfg.attn_impl == "auto"
+    model(torch.randint(40, (2, 16)))
+    assert bool(calls) == (cpu_kernel == "eager")
+
+
+def test_a_run_records_the_concrete_kernel_never_auto(data_dir, tmp_path, monkeypatch):
+    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")
+    cfg = dataclasses.replace(tiny_config(data_dir, "train.max_steps=2", "train.ckpt_interval=2"),
+                              out_dir=str(tmp_path / "run"))
+    assert cfg.model.attn_impl == "auto"
+    train(cfg, quiet=True)
+    saved = tomllib.loads((tmp_path / "run" / "config.toml").read_text())
+    assert saved["model"]["attn_impl"] == "eager"
+    state = json.loads(next((tmp_path / "run").glob("ckpt-*/state.json")).read_text())
+    assert state["config"]["model"]["attn_impl"] == "eager"
+    # resuming with the same "auto" config resolves to the same kernel: no config difference
+    resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=3))
+    assert train(resumed, resume=True, quiet=True)["steps"] == 3
+
+
+def test_a_legacy_run_folder_resumes_on_sdpa(data_dir, tmp_path, monkeypatch):
+    run = tmp_path / "old"
+    cfg = dataclasses.replace(tiny_config(data_dir, "train.max_steps=2", "train.ckpt_interval=2",
+                                          "model.attn_impl=sdpa"), out_dir=str(run))
+    train(cfg, quiet=True)
+    # as an older qkvlab wrote them: no attn_impl key in config.toml or state.json
+    text = (run / "config.toml").read_text().replace('attn_impl = "sdpa"\n', "")
+    (run / "config.toml").write_text(text)
+    state_path = next(run.glob("ckpt-*/state.json"))
+    state = json.loads(state_path.read_text())
+    del state["config"]["model"]["attn_impl"]
+    state_path.write_text(json.dumps(state))
+    manifest_path = state_path.parent / "manifest.json"  # vouch for the edited file
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"]["state.json"].update(size=state_path.stat().st_size,
+                                           sha256=sha256_file(state_path))
+    manifest_path.write_text(json.dumps(manifest))
+    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")  # a later default
+    again = load_config(run, ["train.max_steps=3"])
+    assert again.model.attn_impl == "sdpa"
+    assert train(dataclasses.replace(again, out_dir=str(run)), resume=True, quiet=True)[
+        "steps"] == 3
+    assert tomllib.loads((run / "config.toml").read_text())["model"]["attn_impl"] == "sdpa"
+    save_config(again, tmp_path / "copy.toml")  # a saved config always names the kernel
+    assert 'attn_impl = "sdpa"' in (tmp_path / "copy.toml").read_text()
