@@ -13,16 +13,18 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
 from qkvlab.experiments.spec import config_identity, load_spec, parse_spec, spec_names
 from qkvlab.experiments.stats import paired_t, summarize
 from qkvlab.model.config import ModelConfig
+from qkvlab.model.params import count_params
 from qkvlab.model.variants import PAPER_SHAPE, derive, paper_variants
 from qkvlab.run import lock as run_lock
 from qkvlab.run.config import load_config, save_config
+from qkvlab.run.device import device_type
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
 
@@ -112,11 +114,30 @@ def test_bad_variant_values_are_refused_when_resolved():
         spec.groups()
 
 
+# docs/paper.md section 5, written out: query, MLP hidden, d, scale, weight decay, total params
+PAPER_TABLE = {
+    "baseline": ("baseline", 3072, 768, 1 / 8, 0.1, 124_373_760),
+    "q-identity": ("q-identity", 3072, 768, 1 / 16, 2**-5, 117_295_872),
+    "q-identity-wide": ("q-identity", 3456, 768, 1 / 16, 2**-5, 124_373_760),
+    "smaller-mlp": ("baseline", 2688, 768, 1 / 8, 0.1, 117_295_872),
+    "narrower": ("baseline", 2976, 744, 1 / math.sqrt(62), 0.1, 117_915_816),
+}
+
+
 def test_rules_give_the_paper_variants_exactly():
     base = ModelConfig(**PAPER_SHAPE)
-    for v in paper_variants():
+    variants = paper_variants()
+    assert [v.name for v in variants] == list(PAPER_TABLE)
+    for v in variants:
         d = derive(base, v.name)
         assert d.model == v.model and d.weight_decay == v.weight_decay
+        m = d.model
+        query, hidden, width, scale, weight_decay, total = PAPER_TABLE[v.name]
+        assert (m.projection, m.hidden, m.n_embd, d.weight_decay) == (query, hidden, width,
+                                                                     weight_decay), v.name
+        assert m.scale == pytest.approx(scale, rel=1e-12), v.name
+        assert count_params(m).total == total, v.name
+        assert (m.n_layer, m.n_head, m.block_size, m.vocab_size) == (12, 12, 1024, 50304)
 
 
 def test_paper_specs_are_section_5():
@@ -125,7 +146,8 @@ def test_paper_specs_are_section_5():
     paper = {v.name: v for v in paper_variants()}
     assert [g.name for g in groups] == list(paper)
     for g in groups:
-        assert g.config.model == paper[g.name].model
+        # a group's kernel is the one its runs get on this machine
+        assert g.config.model == paper[g.name].model.on_device(device_type("auto"))
         assert g.config.optim.weight_decay == paper[g.name].weight_decay
         c = g.config
         assert c.tokens_per_step == 491_520 and c.train.max_steps == 105_000
@@ -508,6 +530,7 @@ def test_jobs_trains_runs_in_parallel_with_the_same_results(data_dir, tmp_path, 
     spec = write_spec(tmp_path / "a", data_dir)
     serial, parallel = tmp_path / "serial", tmp_path / "parallel"
     assert main(["sweep", str(spec), "--out", str(serial), "--only", "baseline"]) == 0
+    capsys.readouterr()
     assert main(["sweep", str(spec), "--out", str(parallel), "--only", "baseline",
                  "--jobs", "2"]) == 0
     out = capsys.readouterr().out

@@ -3,14 +3,14 @@
 The steps, in order: resolve the spec into runs and check everything that exists already
 (`_resolve`), then either describe the plan (`--dry-run`), or record this invocation and copy
 reusable runs (`_start`) and print one command per pending run (`--print-commands`) or train
-them (`_train`: one after another, through a launcher, or `--jobs N` at once), then report
-(`_finish`). The machinery lives in qkvlab.experiments.sweep.
+them (qkvlab.experiments.executor: one after another, through a launcher, or `--jobs N` at
+once, with one policy for signals and failures), then report (`_finish`). The machinery lives
+in qkvlab.experiments.sweep.
 """
 
 from __future__ import annotations
 
 import shlex
-import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 from qkvlab.commands.common import Subparsers, add_overrides, register
 from qkvlab.console import print_table
 from qkvlab.errors import QkvlabError
-from qkvlab.run.lock import RunInUse
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from qkvlab.experiments.executor import SweepResult
     from qkvlab.experiments.spec import Run, Spec
     from qkvlab.experiments.sweep import RunState
 
@@ -44,8 +44,9 @@ class SweepOptions:
 
     def validate(self) -> None:
         """Checked once a spec is given (without one the command only lists the specs)."""
-        if self.jobs < 1:
-            raise QkvlabError(f"--jobs {self.jobs}: give at least 1 run at a time")
+        from qkvlab.experiments.executor import check_mode
+
+        check_mode(self.jobs, self.launcher)
 
     def command_line(self, out: Path) -> str:
         """The canonical command line of this invocation (for the record and the report)."""
@@ -93,8 +94,10 @@ def run_sweep(opts: SweepOptions) -> int:
 
     print_table(progress_table(sw.spec, sw.runs, sw.states,
                                f"sweep {sw.spec.name} in {sw.out}: before"), sw.console)
-    stopped, failures = _train(sw, opts)
-    return _finish(sw, opts, stopped, failures)
+    from qkvlab.experiments.executor import execute
+
+    result = execute(sw.todo, sw.console.print, jobs=opts.jobs, launcher=opts.launcher)
+    return _finish(sw, opts, result)
 
 
 # ---- the steps -----------------------------------------------------------------------------
@@ -224,126 +227,55 @@ def _print_commands(sw: _Sweep, launcher: str | None) -> int:
     return 0
 
 
-def _train(sw: _Sweep, opts: SweepOptions) -> tuple[int | None, list[Run]]:
-    """Train the pending runs; returns (the signal that stopped them or None, the runs that
-    failed)."""
-    if opts.jobs > 1 and opts.launcher:
-        raise QkvlabError("--jobs and --launcher do not go together: a launcher decides the "
-                          "processes itself; drop one of them")
-    if opts.jobs > 1:
-        from qkvlab.experiments.sweep import run_parallel
+def _finish(sw: _Sweep, opts: SweepOptions, result: SweepResult) -> int:
+    """Print where the sweep stands, each failure with its error, and how to resume; the
+    result's exit code (128 + the signal that stopped it, 2 when runs failed)."""
+    from rich.markup import escape
 
-        return run_parallel(sw.todo, opts.jobs, sw.console)
-    from qkvlab.experiments.sweep import FAILED_FILE, claimed_elsewhere, run_state
-
-    stopped, failures = None, []
-    for i, run in enumerate(sw.todo):
-        why = claimed_elsewhere(run)
-        if why:
-            sw.console.print(f"{run.label}: {why}; skipped")
-            continue
-        state = sw.states[run.run_dir]
-        resume = f", resuming at step {state.step}" if state.status == "partial" else ""
-        what = run.group.description or run.group.variant
-        sw.console.print(f"[bold][{i + 1}/{len(sw.todo)}] {run.label}[/] ({what}{resume}) -> "
-                         f"{run.run_dir}")
-        (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
-        outcome, signum = _train_one(run, opts.launcher, sw.console)
-        if outcome == "stopped":
-            stopped = signum
-            break
-        if outcome == "failed":
-            failures.append(run)
-            continue
-        sw.states[run.run_dir] = run_state(run)
-    return stopped, failures
-
-
-def _train_one(run: Run, launcher: str | None, console: Console) -> tuple[str, int | None]:
-    """Train one run in this process or through `launcher`: ("done" | "failed" (recorded in
-    the run's failed.json) | "skipped" (another process trains it) | "stopped", the signal
-    that stopped it)."""
-    from qkvlab.experiments.sweep import (
-        SIGNAL_EXITS,
-        materialize,
-        record_failure,
-        train_command_for,
-    )
-
-    if launcher:
-        import subprocess
-
-        materialize(run)
-        rc = subprocess.run(train_command_for(run, launcher)).returncode
-        if rc in SIGNAL_EXITS:  # interrupted: stop the sweep, like a single run
-            return "stopped", SIGNAL_EXITS[rc]
-        if rc != 0:
-            record_failure(run, f"{launcher} exited with status {rc}")
-            return "failed", None
-        return "done", None
-    from qkvlab.train import train
-
-    try:
-        summary = train(run.config, resume=True)
-    except RunInUse as exc:  # another process took it a moment ago: not this run's failure
-        console.print(f"{run.label}: {exc}; skipped")
-        return "skipped", None
-    except QkvlabError as exc:
-        record_failure(run, str(exc))
-        console.print(f"[red]{run.label} failed[/]: {exc}")
-        return "failed", None
-    if summary.get("interrupted"):
-        return "stopped", int(summary.get("signal") or signal.SIGINT)
-    return "done", None
-
-
-def _finish(sw: _Sweep, opts: SweepOptions, stopped: int | None, failures: list[Run]) -> int:
-    """Print where the sweep stands; 128 + the signal when one stopped it (130 for Ctrl-C),
-    2 when runs failed."""
     from qkvlab.experiments.sweep import progress_table, run_state
 
     states = {r.run_dir: run_state(r) for r in sw.runs}
     console = sw.console
     print_table(progress_table(sw.spec, sw.runs, states,
                                f"sweep {sw.spec.name} in {sw.out}: now"), sw.console)
-    if stopped is not None:
-        console.print(f"stopped by signal {stopped}; run the same command to resume: "
-                      f"{opts.command_line(sw.out)}", soft_wrap=True)
-        return 128 + stopped
-    if failures:
-        console.print(f"{len(failures)} run(s) failed (failed.json in their folders); they are "
-                      "skipped on the next sweep unless you pass --retry-failed")
-        return 2
-    left = sum(states[r.run_dir].status != "done" for r in sw.runs)
-    if left == 0:
+    if result.failed:
+        console.print(f"{len(result.failed)} run(s) failed (failed.json in their folders); they "
+                      "are skipped on the next sweep unless you pass --retry-failed")
+        for failure in result.failed:
+            console.print(f"  {escape(failure.run)}: {escape(failure.error)}", soft_wrap=True)
+    if result.signum is not None:
+        console.print(f"stopped by signal {result.signum} with {len(result.left)} run(s) left; "
+                      f"run the same command to resume: {opts.command_line(sw.out)}",
+                      soft_wrap=True)
+    elif all(states[r.run_dir].status == "done" for r in sw.runs):
         console.print(f"all {len(sw.runs)} runs done; report: qkvlab report {sw.out}")
-    return 0
+    return result.exit_code
 
 
 # ---- registration --------------------------------------------------------------------------
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("sweep", help="train an experiment spec: variants x seeds, resumable")
-    p.add_argument("spec", nargs="?", default=None,
+    p.add_argument("spec", nargs="?",
                    help="shipped spec name, spec TOML file, or a sweep folder to continue; "
                         "without it, list the shipped specs")
-    p.add_argument("--out", default=None, help="sweep folder (default runs/sweeps/SPEC)")
+    p.add_argument("--out", help="sweep folder (default runs/sweeps/SPEC)")
     p.add_argument("--dry-run", action="store_true",
                    help="list the runs, their state, parameter counts and tokens; train nothing")
     p.add_argument("--print-commands", action="store_true",
                    help="print one self-contained command per pending run (for a scheduler)")
-    p.add_argument("--launcher", default=None,
+    p.add_argument("--launcher",
                    help="start each run as LAUNCHER -m qkvlab train RUN --resume, e.g. "
                         "'torchrun --standalone --nproc-per-node=8'")
-    p.add_argument("--only", action="append", default=None, metavar="VARIANT",
+    p.add_argument("--only", action="append", metavar="VARIANT",
                    help="only these groups, variants or families (a family name takes all "
                         "its variants; repeatable or comma-separated)")
-    p.add_argument("--seeds", default=None, help="comma-separated seeds instead of the spec's")
+    p.add_argument("--seeds", help="comma-separated seeds instead of the spec's")
     p.add_argument("--yes", action="store_true", help="allow launching more than 100 runs")
     p.add_argument("--retry-failed", action="store_true", help="retrain runs that failed before")
-    p.add_argument("--reuse", action="append", default=None, metavar="SWEEP_DIR",
+    p.add_argument("--reuse", action="append", metavar="SWEEP_DIR",
                    help="copy finished runs with the same config and seed from this other "
                         "sweep folder instead of training them (repeatable)")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="train N runs at once, the cores split between them (default 1)")
+    p.add_argument("--jobs", type=int, metavar="N",
+                   help="train N runs at once, the cores split between them (default %(default)s)")
     add_overrides(p)
     register(p, SweepOptions, run_sweep)

@@ -25,7 +25,8 @@ Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run a
 (a SLURM array, GNU parallel) instead of running anything. `--jobs N` trains N runs at once
 as subprocesses, the machine's cores split between them (each run's output in its folder's
 train.log): on 2 CPU cores two single-threaded runs train 11% more tokens per second than one
-two-threaded run (docs/experiments.md).
+two-threaded run (docs/experiments.md). qkvlab.experiments.executor trains the runs, in each
+of these ways with one policy for signals and failures.
 """
 
 from __future__ import annotations
@@ -37,16 +38,11 @@ import os
 import platform
 import shlex
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from qkvlab import __version__
@@ -76,7 +72,6 @@ from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
 
 SWEEP_FILE = "sweep.json"
-LOG_FILE = "train.log"  # a run's output under --jobs N > 1
 MAX_RUNS_WITHOUT_YES = 100  # more runs than this to launch needs --yes
 MAX_SESSIONS = 100  # sessions kept in sweep.json
 
@@ -423,91 +418,8 @@ def copy_finished_run(run: Run, src: Path) -> None:
         {"from": str(src.resolve()), "copied": now_iso()}, indent=1) + "\n")
 
 
-class _Stopped(Exception):
-    """SIGTERM reached the sweep while its runs train."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-# exit statuses of a run stopped by a signal (128 + n from qkvlab, -n when killed by it) -> n
-SIGNAL_EXITS = {128 + signal.SIGINT: signal.SIGINT, 128 + signal.SIGTERM: signal.SIGTERM,
-                -signal.SIGINT: signal.SIGINT, -signal.SIGTERM: signal.SIGTERM}
-
-
-def run_parallel(todo: list[Run], jobs: int, console: Console) -> tuple[bool, list[Run]]:
-    """Train `todo` as subprocesses, `jobs` at a time, with the usable cores split between them.
-
-    Returns (the signal that stopped the sweep, or None; the runs that failed). A Ctrl-C
-    reaches every child (one process group): each checkpoints and exits, and no further run is
-    started.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = str(max(1, (cpus or 1) // jobs))
-    queue, running, failures = list(todo), {}, []
-    stopped: int | None = None
-
-    def on_term(signum, frame):  # forward SIGTERM: each child checkpoints and exits
-        for _, proc, _ in running.values():
-            proc.send_signal(signum)
-        raise _Stopped(signum)
-
-    old_term = signal.signal(signal.SIGTERM, on_term)
-    try:
-        stopped = _drive(queue, running, failures, jobs, threads, console)
-    except (KeyboardInterrupt, _Stopped) as exc:  # the children got the signal too
-        stopped = exc.signum if isinstance(exc, _Stopped) else signal.SIGINT
-        for _, proc, log in running.values():
-            proc.wait()
-            log.close()
-    finally:
-        signal.signal(signal.SIGTERM, old_term)
-    return stopped, failures
-
-
-def _drive(queue: list[Run], running: dict[Path, tuple], failures: list[Run], jobs: int,
-           threads: str, console: Console) -> int | None:
-    """run_parallel's loop: start runs while slots are free, collect the ones that end."""
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-    stopped: int | None = None
-    while queue or running:
-        while queue and len(running) < jobs and stopped is None:
-            run = queue.pop(0)
-            why = claimed_elsewhere(run)
-            if why:
-                console.print(f"{run.label}: {why}; skipped")
-                continue
-            materialize(run)
-            (run.run_dir / FAILED_FILE).unlink(missing_ok=True)
-            log = open(run.run_dir / LOG_FILE, "ab")  # noqa: SIM115 - closed when it ends
-            cmd = [sys.executable, "-m", "qkvlab", "train", str(run.run_dir.resolve()),
-                   "--resume"]
-            running[run.run_dir] = (run, subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log)
-            console.print(f"started {run.label} ({threads} thread(s)) -> {run.run_dir}")
-        time.sleep(1.0)
-        for key, (run, proc, log) in list(running.items()):
-            rc = proc.poll()
-            if rc is None:
-                continue
-            log.close()
-            del running[key]
-            if rc in SIGNAL_EXITS:  # a signal stopped it: stop the sweep too
-                stopped = SIGNAL_EXITS[rc]
-            elif rc != 0:
-                record_failure(run, f"exited with status {rc}; see {run.run_dir / LOG_FILE}")
-                failures.append(run)
-                console.print(f"[red]{run.label} failed[/] (status {rc}): "
-                              f"{run.run_dir / LOG_FILE}")
-            else:
-                loss = (read_json_record(run.run_dir / SUMMARY_FILE) or {}).get("final_val_loss")
-                console.print(f"finished {run.label}" + (f": val loss {loss:.4f}"
-                                                         if isinstance(loss, float) else ""))
-    return stopped
-
-
 def record_failure(run: Run, error: str) -> None:
+    """failed.json: the run is skipped by later sweeps unless --retry-failed."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run.run_dir / FAILED_FILE, json.dumps({
         "error": error, "diverged": "diverged" in error, "time": now_iso(),
