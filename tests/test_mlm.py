@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config
+from helpers import tiny_config
 from qkvlab.data.prepare import prepare
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT

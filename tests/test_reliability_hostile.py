@@ -47,7 +47,7 @@ from hypothesis import strategies as st
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_overrides
+from helpers import tiny_overrides
 from qkvlab.cli import build_parser, main
 from qkvlab.data.prepare import prepare
 from qkvlab.fsutil import sha256_file

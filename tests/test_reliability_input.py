@@ -69,7 +69,7 @@ def test_compare_does_not_take_a_stopped_run_for_a_finished_one(tmp_path, monkey
 
 
 def test_sigterm_stops_a_sweep_with_143(tmp_path, monkeypatch, capsys, data_dir):
-    from conftest import tiny_config
+    from helpers import tiny_config
     from qkvlab.run.config import save_config
 
     base = tmp_path / "base.toml"

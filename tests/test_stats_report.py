@@ -57,7 +57,7 @@ def sweep_report(tmp_path, data_dir, variants: str, *report_args: str
                  ) -> tuple[dict, str, Path]:
     """A 2-seed, 4-step sweep of SPEC_HEAD's two variants plus `variants`, and its report:
     (report.json, report.md, the report folder)."""
-    from conftest import tiny_config
+    from helpers import tiny_config
     from qkvlab.cli import main
     from qkvlab.run.config import save_config
 

@@ -19,7 +19,6 @@ import gc
 import json
 import os
 import platform
-import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,11 +30,12 @@ from qkvlab.bench import report
 from qkvlab.bench.peak import Peak, resolve_peak
 from qkvlab.bench.timing import Spread, interleaved, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
-from qkvlab.errors import QkvlabError
+from qkvlab.errors import QkvlabError, require
 from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.model.variants import derive
 from qkvlab.perf import freed_memory_kept, keep_freed_memory, mfu
+from qkvlab.run.config import parse_override
 
 
 @dataclass(frozen=True)
@@ -120,20 +120,16 @@ class Settings:
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`--set n_layer=4` (or model.n_layer=4) -> {"n_layer": 4}; values are TOML literals."""
+    """`--set n_layer=4` (or model.n_layer=4) -> {"n_layer": 4}: the `--set` grammar of
+    `qkvlab train` (qkvlab.run.config.parse_override), for model keys only."""
     out: dict[str, Any] = {}
     for item in items:
-        key, sep, raw = item.partition("=")
-        key = key.strip().removeprefix("model.")
-        if not sep or not key:
-            raise QkvlabError(f"--set wants KEY=VALUE, got {item!r}")
-        try:
-            value = tomllib.loads(f"v = {raw.strip()}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw.strip()  # a bare word such as rmsnorm is meant as a string
+        section, key, value = parse_override(item, default_section="model")
+        require(section == "model", f"--set {item!r}: bench sets model keys only "
+                                    "(n_layer=4 or model.n_layer=4)")
         out[key] = value
-    if "projection" in out:
-        raise QkvlabError("the projection is chosen by --schemes, not --set projection=...")
+    require("projection" not in out,
+            "the projection is chosen by --schemes, not --set projection=...")
     return out
 
 
@@ -196,7 +192,8 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
         raise QkvlabError(f"--decode-tokens ({decode}) must be below the shortest "
                           f"context ({min(lengths)}): decoding ends at each context length")
     return Settings(
-        shape=shape, model=model, schemes=names, device=dev, dtype_name=dtype,
+        # the kernel it times, never "auto", in the JSON record
+        shape=shape, model=model.on_device(dev.type), schemes=names, device=dev, dtype_name=dtype,
         compile=compile_, batch_size=batch, repeats=repeats, steps=steps,
         warmup=warmup, inference=inference,
         infer_batch_size=infer_batch_size, contexts=lengths,

@@ -59,38 +59,38 @@ def run_bench(opts: BenchOptions) -> int:
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("bench", help="training and inference speed of the projection schemes")
-    p.add_argument("--shape", default="baby",
+    p.add_argument("--shape",
                    help="baby (6x384, ctx 256) | paper (12x768, ctx 1024) | tiny (tests); "
                         "each also as NAME-llama (RMSNorm, SwiGLU, RoPE), e.g. baby-llama")
-    p.add_argument("--schemes", default="baseline,q-identity",
+    p.add_argument("--schemes",
                    help="comma-separated variants: baseline, q-identity, q-identity-wide, "
                         "nonlinear-q")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=int,
                    help="training batch (default: the shape's, larger on CUDA)")
-    p.add_argument("--repeats", type=int, default=5, help="interleaved repeats (medians)")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per repeat")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per scheme first")
-    p.add_argument("--dtype", default="bf16", help="bf16 (autocast) | fp32")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+    p.add_argument("--repeats", type=int, help="interleaved repeats (medians)")
+    p.add_argument("--steps", type=int, help="timed steps per repeat")
+    p.add_argument("--warmup", type=int, help="untimed steps per scheme first")
+    p.add_argument("--dtype", help="bf16 (autocast) | fp32")
+    p.add_argument("--device", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction,
                    help="torch.compile the models, training and inference (default: on for CUDA, "
                         "off for CPU)")
-    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
                    help="on CPU, keep freed memory in glibc's heap as `qkvlab train` does, so "
                         "steps do not page-fault (--no-keep-freed-memory: glibc's defaults)")
     p.add_argument("--no-inference", action="store_true", help="skip prefill/decode timings")
-    p.add_argument("--infer-batch-size", type=int, default=1, help="sequences decoded at once")
-    p.add_argument("--contexts", default=None,
+    p.add_argument("--infer-batch-size", type=int, help="sequences decoded at once")
+    p.add_argument("--contexts",
                    help="comma-separated inference context lengths (default: the shape's)")
-    p.add_argument("--decode-tokens", type=int, default=None,
+    p.add_argument("--decode-tokens", type=int,
                    help="decoding steps timed per context (default: the shape's)")
-    p.add_argument("--gen-tokens", type=int, default=None,
+    p.add_argument("--gen-tokens", type=int,
                    help="new tokens for generate() with vs without the cache (0 skips; "
                         "default 512, 40 for tiny)")
-    p.add_argument("--gen-repeats", type=int, default=1,
+    p.add_argument("--gen-repeats", type=int,
                    help="repeats of the (slow, uncached) generate() comparison")
-    p.add_argument("--peak-tflops", type=float, default=None,
+    p.add_argument("--peak-tflops", type=float,
                    help="MFU denominator in TFLOP/s (default: GPU datasheet, else measured)")
-    p.add_argument("--json", default=None, help="also write results as JSON to this file")
+    p.add_argument("--json", help="also write results as JSON to this file")
     add_overrides(p)
     register(p, BenchOptions, run_bench)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,11 +12,27 @@ Subparsers = argparse._SubParsersAction
 
 
 def add_overrides(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a config value, e.g. --set optim.lr=1e-3 (repeatable; "
                         "values are TOML literals)")
 
 
 def register(p: argparse.ArgumentParser, options: type, run: Callable[[Any], int]) -> None:
-    """Name the verb's options class and run function; the CLI builds one from the other."""
-    p.set_defaults(options=options, run=run)
+    """Name the verb's options class and run function; the CLI builds one from the other.
+
+    The options dataclass holds the verb's defaults, written once: they become the parser's
+    defaults here (argparse's set_defaults also sets them on the arguments already added, so
+    `%(default)s` in a help text shows them), and `add_argument` calls give none.
+    """
+    p.set_defaults(options=options, run=run, **option_defaults(options))
+
+
+def option_defaults(options: type) -> dict[str, Any]:
+    """Field name -> default of an options dataclass; a field without one is required."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(options):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out

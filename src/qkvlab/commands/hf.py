@@ -81,10 +81,10 @@ def add_parser(sub: Subparsers) -> None:
                        help="export a checkpoint as a transformers (GPT-2 or Llama) model folder")
     p.add_argument("path", help="run folder or checkpoint folder")
     p.add_argument("out_dir", help="folder to write (config.json, model.safetensors, tokenizer)")
-    p.add_argument("--format", default="hf", choices=["hf"],
+    p.add_argument("--format", choices=["hf"],
                    help="hf: a transformers LlamaForCausalLM folder for a Llama-style model "
                         "(RMSNorm, RoPE, SwiGLU), else a GPT2LMHeadModel folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the exported weights")
     p.add_argument("--no-verify", action="store_true",
                    help="skip loading the export with transformers to compare logits "
@@ -95,8 +95,8 @@ def add_parser(sub: Subparsers) -> None:
                        help="import a local GPT-2 or Llama transformers folder as a checkpoint")
     p.add_argument("model_dir", help="folder with config.json and model.safetensors "
                    "(GPT2LMHeadModel or LlamaForCausalLM)")
-    p.add_argument("--out", default=None, help="checkpoint folder to write (default runs/hf-NAME)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--out", help="checkpoint folder to write (default runs/hf-NAME)")
+    p.add_argument("--data",
                    help="prepared data folder for eval (its tokenizer must match the model's)")
     p.add_argument("--no-detect", action="store_true",
                    help="import as a plain baseline even when a Q/K/V block is exactly c I")

@@ -53,7 +53,7 @@ def run_params(opts: ParamsOptions) -> int:
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("params", help="parameter accounting of a config or the paper's variants")
-    p.add_argument("config", nargs="?", default=None,
+    p.add_argument("config", nargs="?",
                    help="TOML config or preset; default: the five GPT-2-small variants of the "
                         "paper")
     p.add_argument("--untied", action="store_true", help="count an untied output head")

@@ -41,14 +41,14 @@ def run_prepare(opts: PrepareOptions) -> int:
 
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
-    p.add_argument("source", nargs="?", default="shakespeare",
+    p.add_argument("source", nargs="?",
                    help="shakespeare (embedded default), a text file, a folder, a .jsonl file, "
                         "or a Hugging Face dataset name (hf:NAME)")
-    p.add_argument("--tokenizer", default="char", help="char | bytes | gpt2 | bpe:N")
-    p.add_argument("--out", default=None, help="output folder (default data/SOURCE-TOKENIZER)")
-    p.add_argument("--val-fraction", type=float, default=None,
+    p.add_argument("--tokenizer", help="char | bytes | gpt2 | bpe:N")
+    p.add_argument("--out", help="output folder (default data/SOURCE-TOKENIZER)")
+    p.add_argument("--val-fraction", type=float,
                    help="held-out share (default 0.1; 0.0005 for Hugging Face datasets)")
-    p.add_argument("--text-field", default="text", help="field holding the text (.jsonl, datasets)")
-    p.add_argument("--num-proc", type=int, default=1, help="worker processes (datasets only)")
+    p.add_argument("--text-field", help="field holding the text (.jsonl, datasets)")
+    p.add_argument("--num-proc", type=int, help="worker processes (datasets only)")
     p.add_argument("--force", action="store_true", help="overwrite a different prepared folder")
     register(p, PrepareOptions, run_prepare)

@@ -60,15 +60,15 @@ def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("report", help="Markdown report and plots of a sweep: paired statistics")
     p.add_argument("spec_or_dir", help="sweep folder, or a spec (its runs in --runs or the "
                                        "spec's default folder)")
-    p.add_argument("--runs", default=None, help="sweep folder when a spec is given")
-    p.add_argument("--out", default=None, help="report folder (default SWEEP/report)")
+    p.add_argument("--runs", help="sweep folder when a spec is given")
+    p.add_argument("--out", help="report folder (default SWEEP/report)")
     p.add_argument("--per-window", action="store_true",
                    help="also score each final checkpoint per validation window (secondary "
                         "paired view; loads the checkpoints)")
     p.add_argument("--attention", action="store_true",
                    help="also measure each final checkpoint's attention (logit std and row "
                         "entropy per layer; loads the checkpoints)")
-    p.add_argument("--versus", default=None, metavar="VARIANT",
+    p.add_argument("--versus", metavar="VARIANT",
                    help="pair every variant against this one instead of the spec's baseline "
                         "(e.g. nonlinear-q vs a wider-MLP control)")
     add_overrides(p)

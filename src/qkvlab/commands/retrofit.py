@@ -85,30 +85,30 @@ def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("retrofit",
                        help="turn a trained standard model into W_Q = I: convert, then heal")
     p.add_argument("path", help="run folder or checkpoint folder of a baseline model")
-    p.add_argument("--to", default="q-identity", choices=["q-identity"],
+    p.add_argument("--to", choices=["q-identity"],
                    help="target scheme (only q-identity)")
-    p.add_argument("--init", default="regress", choices=["regress", "basis", "drop"],
+    p.add_argument("--init", choices=["regress", "basis", "drop"],
                    help="regress: per-head least-squares query absorbed into W_K (default); "
                         "basis: theory's best available conversion; drop: just remove W_Q")
-    p.add_argument("--steps", type=int, default=200, help="healing steps (0: convert only)")
+    p.add_argument("--steps", type=int, help="healing steps (0: convert only)")
     p.add_argument("--distill", action="store_true",
                    help="heal by distillation (KL to the original model's logits), not plain CE")
-    p.add_argument("--lr", type=float, default=None,
+    p.add_argument("--lr", type=float,
                    help="healing peak learning rate (default: the run's min_lr x 3)")
-    p.add_argument("--batch-size", type=int, default=None,
+    p.add_argument("--batch-size", type=int,
                    help="healing batch size (default: the run's)")
-    p.add_argument("--eval-every", type=int, default=None,
+    p.add_argument("--eval-every", type=int,
                    help="validation interval in steps (default: steps / 4)")
-    p.add_argument("--windows", type=int, default=None,
+    p.add_argument("--windows", type=int,
                    help="validation windows (default: the run's eval_windows, at most 128)")
-    p.add_argument("--calib-batches", type=int, default=8,
+    p.add_argument("--calib-batches", type=int,
                    help="training batches whose activations fit the regress init")
     p.add_argument("--compare-inits", action="store_true",
                    help="also report every init's loss right after conversion")
-    p.add_argument("--seed", type=int, default=0, help="seed of the healing batches")
-    p.add_argument("--out", default=None,
+    p.add_argument("--seed", type=int, help="seed of the healing batches")
+    p.add_argument("--out",
                    help="checkpoint folder to write (default RUN/retrofit-q-identity)")
-    p.add_argument("--data", default=None,
+    p.add_argument("--data",
                    help="prepared data folder (default: the run's; an imported model without "
                         "a tokenizer takes this folder's, whose vocabulary must fit the model)")
     register(p, RetrofitOptions, run_retrofit)

@@ -78,11 +78,11 @@ def run_convert(opts: ConvertOptions) -> int:
 # ---- registration --------------------------------------------------------------------------
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("verify", help="check the paper's theorems numerically (float64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int)
     register(p, VerifyOptions, run_verify)
 
     p = sub.add_parser("convert", help="convert a checkpoint exactly to an identity projection")
     p.add_argument("path", help="run folder or checkpoint folder")
-    p.add_argument("--to", default="q-identity", help="q-identity | k-identity | v-identity")
-    p.add_argument("--out", default=None, help="folder for the converted checkpoint")
+    p.add_argument("--to", help="q-identity | k-identity | v-identity")
+    p.add_argument("--out", help="folder for the converted checkpoint")
     register(p, ConvertOptions, run_convert)

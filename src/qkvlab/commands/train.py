@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkvlab.commands.common import Subparsers, add_overrides, register
-from qkvlab.errors import QkvlabError
+from qkvlab.errors import QkvlabError, require
 
 if TYPE_CHECKING:
     import torch
@@ -173,20 +173,17 @@ class SampleOptions:
 
     def validate(self, vocab: int) -> None:
         """Refuse settings generate() cannot honour; `vocab` is the model's."""
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise QkvlabError(msg)
-
-        need(self.max_new_tokens >= 0, f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
-        need(self.num_samples >= 1, f"--num-samples must be >= 1, got {self.num_samples}")
-        need(math.isfinite(self.temperature) and self.temperature >= 0,
-             f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        need(self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}")
-        need(self.top_p is None or 0 < self.top_p <= 1,
-             f"--top-p must be in (0, 1], got {self.top_p}")
-        need(self.stop_token is None or 0 <= self.stop_token < vocab,
-             f"--stop-token must be a token id in [0, {vocab}), got {self.stop_token}")
-        need(0 <= self.seed < 1 << 63, f"--seed must be in [0, 2**63), got {self.seed}")
+        require(self.max_new_tokens >= 0,
+                f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
+        require(self.num_samples >= 1, f"--num-samples must be >= 1, got {self.num_samples}")
+        require(math.isfinite(self.temperature) and self.temperature >= 0,
+                f"--temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        require(self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}")
+        require(self.top_p is None or 0 < self.top_p <= 1,
+                f"--top-p must be in (0, 1], got {self.top_p}")
+        require(self.stop_token is None or 0 <= self.stop_token < vocab,
+                f"--stop-token must be a token id in [0, {vocab}), got {self.stop_token}")
+        require(0 <= self.seed < 1 << 63, f"--seed must be in [0, 2**63), got {self.seed}")
 
 
 def run_sample(opts: SampleOptions) -> int:
@@ -231,37 +228,37 @@ def run_sample(opts: SampleOptions) -> int:
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("train", help="train a model from a TOML config")
     p.add_argument("config", help="TOML config file, or a preset name (see `qkvlab presets`)")
-    p.add_argument("--out", default=None, help="run folder (overrides run.out_dir)")
+    p.add_argument("--out", help="run folder (overrides run.out_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     add_overrides(p)
     register(p, TrainOptions, run_train)
 
     p = sub.add_parser("eval", help="validation loss of a run or checkpoint")
     p.add_argument("path", help="run folder or checkpoint folder")
-    p.add_argument("--windows", type=int, default=None, help="number of validation windows")
-    p.add_argument("--data", default=None, help="prepared data folder (default: the run's)")
-    p.add_argument("--dtype", default=None, choices=["bf16", "fp32"],
+    p.add_argument("--windows", type=int, help="number of validation windows")
+    p.add_argument("--data", help="prepared data folder (default: the run's)")
+    p.add_argument("--dtype", choices=["bf16", "fp32"],
                    help="evaluation precision (default: the run's train.dtype; fp32 for an "
                         "imported model)")
-    p.add_argument("--lm-eval", default=None, metavar="TASKS",
+    p.add_argument("--lm-eval", metavar="TASKS",
                    help="run lm-evaluation-harness tasks (comma-separated) on the model exported "
                         "to transformers instead; PATH may also be a `qkvlab export` folder")
-    p.add_argument("--lm-eval-limit", type=int, default=None, metavar="N",
+    p.add_argument("--lm-eval-limit", type=int, metavar="N",
                    help="with --lm-eval: at most N examples per task")
-    p.add_argument("--lm-eval-batch-size", type=int, default=None, metavar="B",
+    p.add_argument("--lm-eval-batch-size", type=int, metavar="B",
                    help="with --lm-eval: batch size (default 8)")
     register(p, EvalOptions, run_eval)
 
     p = sub.add_parser("sample", help="generate text from a run or checkpoint")
     p.add_argument("path", help="run folder or checkpoint folder")
-    p.add_argument("--prompt", default="\n")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--stop-token", type=int, default=None)
+    p.add_argument("--prompt")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--num-samples", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop-token", type=int)
     p.add_argument("--no-cache", action="store_true", help="recompute the prefix every token")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model first: seconds up front, faster per token")

@@ -2,10 +2,10 @@
 
 Why paired: every run of a sweep is scored on the same fixed validation windows, and runs that
 share a seed share their batch order, so the difference variant - baseline at the same seed
-removes most of the seed-to-seed spread that the two losses share. The test is the one-sample
-t-test of those differences against 0 (identical to scipy.stats.ttest_rel on the two loss
-lists), with a t-based confidence interval. With n = 2 pairs the interval is wide (t_0.975 with
-1 degree of freedom is 12.7): that is what two seeds can say.
+removes most of the seed-to-seed spread that the two losses share. The test is scipy's
+one-sample t-test of those differences against 0 (the same as scipy.stats.ttest_rel on the two
+loss lists), with its t-based confidence interval. With n = 2 pairs the interval is wide
+(t_0.975 with 1 degree of freedom is 12.7): that is what two seeds can say.
 """
 
 from __future__ import annotations
@@ -84,11 +84,10 @@ def paired_t(diffs: Sequence[float], confidence: float = 0.95) -> PairedTest:
         t = 0.0 if d == 0 else math.copysign(math.inf, d)
         p = 1.0 if d == 0 else 0.0
         return PairedTest(s.n, d, 0.0, 0.0, t, df, p, d, d, confidence)
-    se = s.std / math.sqrt(s.n)
-    t = s.mean / se
-    p = float(2.0 * st.t.sf(abs(t), df))
-    half = float(st.t.ppf(0.5 + confidence / 2.0, df)) * se
-    return PairedTest(s.n, s.mean, s.std, se, t, df, p, s.mean - half, s.mean + half, confidence)
+    test = st.ttest_1samp(diffs, 0.0)
+    ci = test.confidence_interval(confidence)
+    return PairedTest(s.n, s.mean, s.std, s.std / math.sqrt(s.n), float(test.statistic), df,
+                      float(test.pvalue), float(ci.low), float(ci.high), confidence)
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
