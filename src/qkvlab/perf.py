@@ -96,14 +96,36 @@ def _measure(dtype: str, device: str, size: int, repeats: int) -> float:
     return 2.0 * size**3 / statistics.median(times)
 
 
+# A CPU without bf16 matmul instructions (AVX2 only) emulates them ~100x slower than fp32: a
+# 2048 matmul would take ~18 s there. A probe at PROBE_SIZE first keeps the measurement short.
+PROBE_SIZE = 256
+MAX_MEASURE_S = 2.0  # the longest one timed matmul may take (a 4096 one on an AVX2 CPU: 1.4 s)
+
+
 def measure_matmul_peak(
     dtype: str = "bf16", device: str | torch.device = "cpu", size: int = 2048, repeats: int = 5
 ) -> float:
-    """FLOP/s of a size x size matmul in `dtype` ("bf16"/"fp32"), median of `repeats` runs.
+    """FLOP/s of a size x size matmul in `dtype` ("bf16"/"fp32"), median of `repeats` runs;
+    a smaller size where one matmul of `size` would take longer than MAX_MEASURE_S.
 
     Cached per process: the first call costs about a second on a small CPU.
     """
-    return _measure(dtype, str(torch.device(device)), int(size), int(repeats))
+    device = str(torch.device(device))
+    size = int(size)
+    if size > PROBE_SIZE:
+        probe = _measure(dtype, device, PROBE_SIZE, 2)
+        while size > PROBE_SIZE and 2.0 * size**3 / probe > MAX_MEASURE_S:
+            size //= 2
+    return _measure(dtype, device, size, int(repeats))
+
+
+def bf16_slowdown(device: torch.device) -> float | None:
+    """How many times slower bf16 matmuls run than fp32 ones on this CPU, when they do (a CPU
+    without bf16 instructions); None on other devices or where bf16 is not the slower one."""
+    if device.type != "cpu":
+        return None
+    ratio = measure_matmul_peak("fp32", device) / measure_matmul_peak("bf16", device)
+    return ratio if ratio > 1.0 else None
 
 
 def known_gpu_peak(name: str, dtype: str) -> float | None:

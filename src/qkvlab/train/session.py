@@ -20,7 +20,7 @@ from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.model.params import ParamCount, count_params, flops_per_token
-from qkvlab.perf import keep_freed_memory, peak_flops_for
+from qkvlab.perf import bf16_slowdown, keep_freed_memory, peak_flops_for
 from qkvlab.run import store
 from qkvlab.run.checkpoint import Checkpoint, load_model_state
 from qkvlab.run.config import RunConfig, config_diff, save_config
@@ -202,6 +202,12 @@ def announce(s: Session) -> None:
           f"non-embedding), {s.cfg.tokens_per_step:,} tokens/step, {s.device.type} {tc.dtype}, "
           f"steps {s.start_step}->{tc.max_steps}, peak {s.peak / 1e12:.3g} TFLOP/s "
           f"({s.peak_src})")
+    # only where the peak was measured: a configured one (tests, clusters) costs no matmuls
+    slowdown = bf16_slowdown(s.device) if tc.dtype == "bf16" and s.peak_src.startswith(
+        "measured") else None
+    if slowdown is not None and slowdown > 2:
+        s.say(f"bf16 matmuls run {slowdown:.0f}x slower than fp32 on this CPU (it has no bf16 "
+              "instructions): --set train.dtype=fp32 trains faster here")
     if s.ctx.enabled:
         s.say(f"{s.ctx.world_size} processes ({s.par.mode}): each runs "
               f"{s.plan.micro_steps_per_rank} micro-step(s) of {s.plan.rows_per_micro_step} rows "
