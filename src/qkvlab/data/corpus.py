@@ -1,4 +1,4 @@
-"""Text sources: tinyshakespeare, local files and folders, JSON Lines, Hugging Face datasets.
+"""Text sources: tinyshakespeare, named corpora, local files and folders, JSON Lines, HF datasets.
 
 `read_source` turns a source spec into a list of documents plus a sha256 that pins the exact
 input, so a prepared data dir records what it was made from.
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.data.cache import RemoteFile, fetch_file
+from qkvlab.data.corpora import NAMED_CORPORA, read_named
 from qkvlab.errors import QkvlabError
 
 SHAKESPEARE_SIZE = 1_115_394
@@ -39,9 +40,11 @@ def shakespeare_path() -> Path:
 
 
 def source_kind(source: str) -> str:
-    """Classify a source spec: 'shakespeare', 'file', 'jsonl', 'folder' or 'hf'."""
+    """Classify a source spec: 'shakespeare', 'named', 'file', 'jsonl', 'folder' or 'hf'."""
     if source == "shakespeare":
         return "shakespeare"
+    if source in NAMED_CORPORA:  # a name wins over a same-named path; write ./NAME for the path
+        return "named"
     if source.startswith(HF_PREFIX):
         return "hf"
     path = Path(source).expanduser()
@@ -52,8 +55,8 @@ def source_kind(source: str) -> str:
     if _HF_NAME.match(source) and not source.lower().endswith(_FILE_LIKE_SUFFIXES):
         return "hf"
     raise QkvlabError(
-        f"source {source} does not exist: give an existing file or folder, "
-        "`shakespeare`, or hf:NAME for a Hugging Face dataset"
+        f"source {source} does not exist: give an existing file or folder, `shakespeare`, "
+        f"{', '.join(f'`{n}`' for n in NAMED_CORPORA)}, or hf:NAME for a Hugging Face dataset"
     )
 
 
@@ -68,8 +71,8 @@ def hf_name(source: str) -> tuple[str, str | None]:
 
 def source_name(source: str) -> str:
     """Short name of a source for default folder names, e.g. 'shakespeare' or 'openwebtext'."""
-    if source == "shakespeare":
-        return "shakespeare"
+    if source == "shakespeare" or source in NAMED_CORPORA:
+        return source
     if source.startswith(HF_PREFIX) or source_kind(source) == "hf":
         name, config = hf_name(source)
         base = name.replace("/", "-")
@@ -183,7 +186,8 @@ def read_source(source: str, text_field: str = "text") -> tuple[list[str], str]:
     """Read a source into (documents, sha256 of the source bytes).
 
     A text file or tinyshakespeare is one document; a folder gives one per *.txt/*.md file
-    (sorted, recursive); a .jsonl file one per line (field `text_field`). Hugging Face sources
+    (sorted, recursive); a .jsonl file one per line (field `text_field`); a named corpus its
+    cleaned documents, with the sha256 of that text (its artifacts are pinned). Hugging Face sources
     are materialised in memory here, so use them only for small datasets (`prepare` streams
     big ones). Raises QkvlabError for missing paths and empty corpora.
     """
@@ -192,6 +196,8 @@ def read_source(source: str, text_field: str = "text") -> tuple[list[str], str]:
         path = shakespeare_path()
         data = path.read_bytes()
         docs, digest = [_decode(data, str(path))], hashlib.sha256(data).hexdigest()
+    elif kind == "named":
+        docs, digest = read_named(source)
     elif kind in ("file", "jsonl"):
         path = Path(source).expanduser()
         data = path.read_bytes()
