@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,13 @@ def run_retrofit(opts: RetrofitOptions) -> int:
     """Run the retrofit and print the loss table."""
     import torch
 
+    from qkvlab.errors import require
     from qkvlab.retrofit.checkpoint import retrofit_checkpoint
     from qkvlab.retrofit.heal import HealConfig
+    from qkvlab.run.config import SEED_RANGE, valid_seed
     from qkvlab.run.store import read_checkpoint
 
+    require(valid_seed(opts.seed), f"--seed must be an integer in {SEED_RANGE}, got {opts.seed}")
     run = read_checkpoint(opts.path).config
     hc = HealConfig(
         steps=opts.steps,
@@ -56,8 +60,6 @@ def run_retrofit(opts: RetrofitOptions) -> int:
 
 
 def _print_report(report: RetrofitReport, hc: HealConfig, to: str) -> None:
-    import math
-
     print(f"retrofit {report.source} -> {report.dest} ({to}, init {report.init}, "
           f"{hc.steps} {'distillation' if hc.distill else 'cross-entropy'} steps, "
           f"{report.heal_result.seconds:.0f} s)")
@@ -68,17 +70,28 @@ def _print_report(report: RetrofitReport, hc: HealConfig, to: str) -> None:
     print(f"val loss on {report.windows} windows x {report.block_size} tokens:")
     print(report.table())
     gap0, gap1 = report.after_convert - report.before, report.after_heal - report.before
-    if hc.steps == 0:
-        print(f"gap to the original: {gap0:+.4f} after conversion (no healing: --steps 0)")
-        return
+    print(gap_line(gap0, gap1, healed=hc.steps > 0))
+
+
+# The smallest conversion gap (nats) whose closed share is printed: ten units of the last digit
+# the loss table shows. A share of a smaller gap divides by eval noise (thousands of percent).
+GAP_RESOLUTION = 1e-3
+
+
+def gap_line(gap0: float, gap1: float, healed: bool) -> str:
+    """The summary line of the val-loss gaps to the original model after conversion (gap0)
+    and after healing (gap1), with the share healing closed when gap0 is big enough to split."""
+    if not healed:
+        return f"gap to the original: {gap0:+.4f} after conversion (no healing: --steps 0)"
     if not (math.isfinite(gap0) and gap0 > 0):
-        # no gap to close: a share of it would be a division by zero (or by a gain)
-        print(f"gap to the original: {gap0:+.4f} after conversion (conversion did not raise "
-              f"the loss), {gap1:+.4f} after healing")
-        return
+        return (f"gap to the original: {gap0:+.4f} after conversion (conversion did not raise "
+                f"the loss), {gap1:+.4f} after healing")
+    if gap0 < GAP_RESOLUTION:
+        return (f"gap to the original: {gap0:+.4f} after conversion (under {GAP_RESOLUTION:g}: "
+                f"too small to say how much healing closed), {gap1:+.4f} after healing")
     closed = 100 * (1 - gap1 / gap0)
-    print(f"gap to the original: {gap0:+.4f} after conversion, {gap1:+.4f} after healing "
-          f"({closed:.0f}% closed; with CE healing part of it is just extra training)")
+    return (f"gap to the original: {gap0:+.4f} after conversion, {gap1:+.4f} after healing "
+            f"({closed:.0f}% closed; with CE healing part of it is just extra training)")
 
 
 def add_parser(sub: Subparsers) -> None:

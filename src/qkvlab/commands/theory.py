@@ -20,8 +20,11 @@ def run_verify(opts: VerifyOptions) -> int:
     from rich.table import Table
 
     from qkvlab.console import print_table, table_console
+    from qkvlab.errors import require
+    from qkvlab.run.config import SEED_RANGE, valid_seed
     from qkvlab.theory.verify import run_checks
 
+    require(valid_seed(opts.seed), f"--seed must be an integer in {SEED_RANGE}, got {opts.seed}")
     start = time.perf_counter()
     results = run_checks(int(opts.seed or 0))
     elapsed = time.perf_counter() - start

@@ -53,10 +53,12 @@ from qkvlab.model.config import old_record_nulls
 from qkvlab.model.variants import RULES
 from qkvlab.run.config import (
     RESUME_HARMLESS,
+    SEED_RANGE,
     RunConfig,
     apply_overrides,
     load_config,
     saved_config,
+    valid_seed,
 )
 
 SPEC_KEYS: tuple[str, ...] = ("name", "description", "base", "set", "seeds", "out")
@@ -434,10 +436,9 @@ def parse_spec(data: dict[str, Any], source: str, spec_dir: Path | None = None) 
             raise QkvlabError(f"[spec] of {source} has no {key}")
     name = _str(head["name"], "[spec].name", name=True)
     seeds = head.get("seeds", [1])
-    if not isinstance(seeds, list) or not seeds or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in seeds):
-        raise QkvlabError(f"spec {name}: seeds must be a non-empty list of integers >= 0, got "
-                          f"{seeds!r}")
+    if not isinstance(seeds, list) or not seeds or not all(valid_seed(s) for s in seeds):
+        raise QkvlabError(f"spec {name}: seeds must be a non-empty list of integers in "
+                          f"{SEED_RANGE}, got {seeds!r}")
     if len(set(seeds)) != len(seeds):
         raise QkvlabError(f"spec {name}: seeds lists a seed twice: {seeds!r}")
     tables = data.get("variant", [])
@@ -485,6 +486,8 @@ def _parse_text(text: str, origin: str) -> dict[str, Any]:
         raise QkvlabError(f"{origin} is not valid TOML ({exc}): fix the file") from None
     except RecursionError:
         raise QkvlabError(f"{origin} nests too deeply to be a spec: fix the file") from None
+    except ValueError:  # an integer of over 4,300 digits: Python refuses to read it
+        raise QkvlabError(f"{origin} holds a number too long to read: fix the file") from None
 
 
 SPEC_COPY = "spec.toml"  # the copy of the spec a sweep folder keeps

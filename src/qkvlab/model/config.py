@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qkvlab.errors import QkvlabError, require
-from qkvlab.model.scale import SCALE_RULES, attention_scale, learns_scale
+from qkvlab.model.scale import SCALE_BOUNDS, SCALE_RULES, attention_scale, learns_scale
 
 PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
 # gelu_tanh: the tanh approximation GPT-2 was trained with (Hugging Face "gelu_new").
@@ -68,6 +68,25 @@ def old_record_nulls(table: dict[str, Any]) -> dict[str, Any]:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def finite_number(value: Any) -> float | None:
+    """`value` as a float when it is a finite int or float (not a bool), else None. An integer
+    too large for a double (TOML and JSON read 1 followed by 400 zeros exactly) is not one."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def shown(value: Any) -> str:
+    """`value` for an error message: an integer too long to print is given by its length."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    return repr(value)
 
 
 @dataclass(frozen=True)
@@ -171,6 +190,10 @@ class ModelConfig:
               f"sizes are absurd (n_layer={self.n_layer}, n_embd={self.n_embd}, "
               f"block_size={self.block_size}); check the config")
         require(self.vocab_size <= 1 << 24, f"vocab_size={self.vocab_size} is absurd")
+        for name in ("mlp_ratio", "dropout", "init_std", "rope_base", "norm_eps"):
+            value = getattr(self, name)
+            require((value is None and name == "norm_eps") or finite_number(value) is not None,
+                    f"{name} must be a finite number, got {shown(value)}")
         require(0.0 < float(self.mlp_ratio) <= 64.0,
               f"mlp_ratio must be in (0, 64], got {self.mlp_ratio!r}")
         require(0.0 <= float(self.dropout) < 1.0,
@@ -189,15 +212,20 @@ class ModelConfig:
 
     def _check_attn_scale(self) -> None:
         value = self.attn_scale
+        low, high = SCALE_BOUNDS
         if isinstance(value, str):
             learns_scale(value)  # refuses a name that is not a rule, listing the rules
+            require(low <= self.scale <= high,
+                    f"attn_scale = {value} gives {self.scale:.3g} for this shape (init_std="
+                    f"{self.init_std:g}), outside [{low:g}, {high:g}]: set init_std nearer "
+                    "0.02 or attn_scale to a number")
             return
-        require(isinstance(value, int | float) and not isinstance(value, bool)
-                and math.isfinite(value) and value > 0,
-                f"attn_scale must be a number > 0 or one of {', '.join(SCALE_RULES)}, "
-                f"got {value!r}")
+        number = finite_number(value)
+        require(number is not None and low <= number <= high,
+                f"attn_scale must be a number in [{low:g}, {high:g}] or one of "
+                f"{', '.join(SCALE_RULES)}, got {shown(value)}")
         # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
-        object.__setattr__(self, "attn_scale", float(value))
+        object.__setattr__(self, "attn_scale", number)
 
     def _check_shapes(self) -> None:
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd
@@ -256,7 +284,7 @@ def coerce(value: Any, type_str: Any, where: str) -> Any:
         if optional:
             return None
         raise QkvlabError(f"{where} must not be empty")
-    bad = QkvlabError(f"{where} must be {base.replace('Literal', 'one of ')}, got {value!r}")
+    bad = QkvlabError(f"{where} must be {base.replace('Literal', 'one of ')}, got {shown(value)}")
     if base == "bool":
         if not isinstance(value, bool):
             raise bad
@@ -265,14 +293,15 @@ def coerce(value: Any, type_str: Any, where: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
         if not -(1 << 63) <= value < 1 << 63:  # tomllib reads any size; torch and numpy do not
-            raise QkvlabError(f"{where} must fit in 64 bits, got {value}")
+            raise QkvlabError(f"{where} must fit in 64 bits, got {shown(value)}")
         return value
     if base == "float":
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise bad
-        if not math.isfinite(value):  # TOML has nan and inf literals; no setting wants them
-            raise QkvlabError(f"{where} must be a finite number, got {value!r}")
-        return float(value)
+        number = finite_number(value)
+        if number is None:  # TOML has nan and inf literals, and integers of any size
+            raise QkvlabError(f"{where} must be a finite number, got {shown(value)}")
+        return number
     if base == "str":
         if not isinstance(value, str):
             raise bad

@@ -16,6 +16,10 @@ from qkvlab.errors import require
 # Schemes whose logits are raw coordinate products of the norm's output (unit variance), not
 # products with a projection initialised at init_std.
 IDENTITY_QK: tuple[str, ...] = ("q-identity", "k-identity")
+# The logit scales a model may have, a number's or a rule's (the rules give about 0.01 to 1).
+# Far outside them training only makes NaN: SDPA returns NaN at 1e-300 (0 in fp32), and at
+# 1e30 q k^T overflows.
+SCALE_BOUNDS: tuple[float, float] = (1e-4, 1e4)
 
 
 def _standard(projection: str, d: int, d_k: int, init_std: float) -> float:

@@ -20,7 +20,7 @@ import tomli_w
 
 from qkvlab.errors import QkvlabError, require
 from qkvlab.fsutil import write_text_atomic
-from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table
+from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table, shown
 from qkvlab.run.layout import CONFIG_FILE
 
 DTYPES: tuple[str, ...] = ("bf16", "fp32")
@@ -37,6 +37,16 @@ EMBEDDED_SOURCE = "shakespeare"
 # inside allowed), never quotes, brackets, braces, '=', '#', backslashes or control characters
 BARE_WORD = re.compile(r"[^\s\"'\[\]{}=#\\][^\"'\[\]{}=#\\\x00-\x1f\x7f]*")
 RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*")
+# train.seed: torch.manual_seed takes [-2**63, 2**64) and a saved config.toml holds a TOML
+# (64-bit signed) integer, so a seed is in [0, 2**63 - 1]
+SEED_MAX = (1 << 63) - 1
+SEED_RANGE = "[0, 2**63 - 1]"
+
+
+def valid_seed(value: Any) -> bool:
+    """True for an integer a run can be seeded with (SEED_MAX)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= SEED_MAX
+
 
 def _to_dict(obj: Any) -> dict[str, Any]:
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
@@ -131,7 +141,8 @@ class TrainConfig:
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,
                 f"invalid config: train.eval_batch_size must be >= 1 or unset, got "
                 f"{self.eval_batch_size}")
-        require(self.seed >= 0, f"invalid config: train.seed must be >= 0, got {self.seed}")
+        require(valid_seed(self.seed), f"invalid config: train.seed must be an integer in "
+                                       f"{SEED_RANGE}, got {shown(self.seed)}")
         for name, choices in (("dtype", DTYPES), ("device", DEVICES), ("parallel", PARALLEL),
                               ("objective", OBJECTIVES)):
             value = getattr(self, name)
@@ -257,6 +268,8 @@ def _read_toml(text: str, origin: str) -> dict[str, Any]:
         raise QkvlabError(f"{origin} is not valid TOML ({exc}): fix the file") from None
     except RecursionError:  # arrays nested thousands deep: tomllib recurses per level
         raise QkvlabError(f"{origin} nests too deeply to be a config: fix the file") from None
+    except ValueError:  # an integer of over 4,300 digits: Python refuses to read it
+        raise QkvlabError(f"{origin} holds a number too long to read: fix the file") from None
 
 
 def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]:
@@ -325,6 +338,9 @@ def _override_value(item: str, target: str, raw: str) -> Any:
                 f"({target}=\"...\") or give a bare word or path without quotes, brackets or "
                 "braces")
         return raw
+    except ValueError:  # an integer of over 4,300 digits: Python refuses to read it
+        raise QkvlabError(f"--set {item[:60]!r}...: the number is too long to be a config "
+                          "value") from None
     except RecursionError:  # brackets nested thousands deep: tomllib recurses per level
         raise QkvlabError(f"--set {item[:60]!r}...: the value nests too deeply to be a "
                           "config value") from None

@@ -158,6 +158,19 @@ def check_divergence(s: Session, done: int) -> None:
         cfg.train.dtype))
 
 
+def check_initial(s: Session, val: float) -> None:
+    """Stop a fresh run whose initial weights already give a non-finite val loss: no step has
+    run, so the model settings are at fault, not optim.lr (which the divergence stop blames)."""
+    if math.isfinite(val):
+        return
+    m = s.cfg.model
+    raise QkvlabError(
+        f"the initial weights give a non-finite val loss ({val}) before any training step: "
+        f"the model settings are at fault, not the learning rate (init_std={m.init_std:g}, "
+        f"attn_scale={m.attn_scale}, scale {m.scale:.3g}, dtype {s.cfg.train.dtype}); fix "
+        "them in a fresh run")
+
+
 def summary(s: Session, signum: int | None) -> dict[str, Any]:
     """What the session did (summary.json); non-finite values are null. `signum`: the signal
     that stopped it early, if one did."""
