@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any, NoReturn
 
-from qkvlab import __version__
+from qkvlab import __version__, interrupts
 from qkvlab.commands import (
     archive,
     bench,
@@ -32,7 +32,7 @@ from qkvlab.errors import QkvlabError
 COMMAND_MODULES = (prepare, train, params, compare, presets, bench, theory, hf, retrofit, sweep,
                    report, archive)
 # what argparse adds beside the verb's own options (see qkvlab.commands.common.register)
-_NOT_OPTIONS = ("command", "options", "run")
+_NOT_OPTIONS = ("command", "options", "run", "trains")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,12 +74,18 @@ def options_from(args: argparse.Namespace) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with interrupts.deferred():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else int(exc.code is not None)
     try:
+        _load_for(args)
         return int(args.run(options_from(args)) or 0)
     except QkvlabError as err:
         # one line whatever the message quotes (a key or path may hold a newline)
@@ -88,9 +94,27 @@ def main(argv: list[str] | None = None) -> int:
         return err.exit_code
     except BrokenPipeError:  # output piped into `head` and the like
         return 0
+    except interrupts.Interrupted as stop:
+        print(f"qkvlab {args.command}: stopped by signal {stop.signum}{_resume_hint()}",
+              file=sys.stderr)
+        return 128 + stop.signum
     except KeyboardInterrupt:
-        print(f"qkvlab {args.command}: interrupted", file=sys.stderr)
+        print(f"qkvlab {args.command}: interrupted{_resume_hint()}", file=sys.stderr)
         return 130
+
+
+def _load_for(args: argparse.Namespace) -> None:
+    """A verb that trains loads torch while a stop signal waits (it arms them itself, see
+    qkvlab.interrupts); the others get the usual handlers now."""
+    if getattr(args, "trains", False):
+        import qkvlab.train  # noqa: F401 - torch's C start-up must not see a KeyboardInterrupt
+    else:
+        interrupts.release()
+
+
+def _resume_hint() -> str:
+    resume = interrupts.resume_command()
+    return f"; resume with: {resume}" if resume else ""
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from qkvlab.commands.common import Subparsers, register
+from qkvlab.commands.common import Subparsers, check_output_folder, register
 
 
 @dataclass
@@ -21,6 +21,7 @@ def run_archive(opts: ArchiveOptions) -> int:
     from qkvlab.experiments.archive import archive_sweep
 
     src, dest = Path(opts.sweep_dir), Path(opts.dest)
+    check_output_folder(dest, "DEST")
     n, left = archive_sweep(src, dest, finished_only=opts.finished)
     print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)"
           + (f"; left out {left} unfinished run(s)" if left else ""))

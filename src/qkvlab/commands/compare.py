@@ -51,6 +51,7 @@ class CompareOptions:
 def run_compare(opts: CompareOptions) -> int:
     """Train the variants that are not finished, then write the table and the plot. A signal
     stops the whole job (exit 128 + its number) with the command that resumes it."""
+    from qkvlab import interrupts
     from qkvlab.console import print_table, table_console
     from qkvlab.experiments.compare import (
         PRESETS,
@@ -69,6 +70,9 @@ def run_compare(opts: CompareOptions) -> int:
     if opts.seed is not None:
         overrides.append(f"train.seed={opts.seed}")
     base = load_config(PRESETS[opts.preset], overrides)
+    # from here a signal (in the duration estimate, a run's set-up, between runs) stops the
+    # job with the command that resumes it
+    interrupts.arm(opts.command_line())
     out = Path(opts.out)
     console = table_console()
     names, signum = _train_variants(variant_configs(base, overrides, out), opts.fresh, console)
@@ -152,4 +156,4 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
     add_overrides(p)
-    register(p, CompareOptions, run_compare)
+    register(p, CompareOptions, run_compare, trains=True)

@@ -6,7 +6,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qkvlab.commands.common import Subparsers, add_overrides, register
+from qkvlab.commands.common import Subparsers, add_overrides, check_output_folder, register
 
 
 @dataclass
@@ -45,6 +45,7 @@ def run_report(opts: ReportOptions) -> int:
     spec = load_spec(opts.spec_or_dir)
     sweep_dir = Path(opts.runs) if opts.runs else spec.default_out
     out = Path(opts.out) if opts.out else sweep_dir / "report"
+    check_output_folder(out, "--out")  # before the report's work (it may load checkpoints)
     rep = build_report(spec, sweep_dir, per_window=opts.per_window,
                        overrides=list(opts.overrides), versus=opts.versus,
                        attention=opts.attention)

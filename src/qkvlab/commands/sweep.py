@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from qkvlab import interrupts
 from qkvlab.commands.common import Subparsers, add_overrides, register
 from qkvlab.console import print_table
 from qkvlab.errors import QkvlabError
@@ -85,6 +86,7 @@ def run_sweep(opts: SweepOptions) -> int:
         return _list_specs()
     opts.validate()
     sw = _resolve(opts)
+    interrupts.arm(None if opts.dry_run else opts.command_line(sw.out))
     if opts.dry_run:
         return _dry_run(sw)
     _start(sw, opts)
@@ -113,14 +115,17 @@ def _list_specs() -> int:
 
 
 def _parse_seeds(text: str | None) -> list[int] | None:
+    from qkvlab.run.config import SEED_RANGE, valid_seed
+
     if not text:
         return None
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
         raise QkvlabError(f"--seeds {text!r}: give comma-separated integers, e.g. 1,2,3") from None
-    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise QkvlabError(f"--seeds {text!r}: give distinct integers >= 0, e.g. 1,2,3")
+    if not seeds or not all(valid_seed(s) for s in seeds) or len(set(seeds)) != len(seeds):
+        raise QkvlabError(f"--seeds {text!r}: give distinct integers in {SEED_RANGE}, e.g. "
+                          "1,2,3")
     return seeds
 
 
@@ -278,4 +283,4 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--jobs", type=int, metavar="N",
                    help="train N runs at once, the cores split between them (default %(default)s)")
     add_overrides(p)
-    register(p, SweepOptions, run_sweep)
+    register(p, SweepOptions, run_sweep, trains=True)

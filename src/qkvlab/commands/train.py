@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,7 @@ class TrainOptions:
 
 def run_train(opts: TrainOptions) -> int:
     """Train from a config file, run folder or preset; print a one-line summary."""
+    from qkvlab import interrupts
     from qkvlab.run.config import load_config
     from qkvlab.train import train
     from qkvlab.train.distributed import env_rank
@@ -38,6 +40,7 @@ def run_train(opts: TrainOptions) -> int:
         cfg = dataclasses.replace(cfg, out_dir=str(opts.out))
     elif Path(opts.config).is_dir():
         cfg = dataclasses.replace(cfg, out_dir=str(opts.config))  # `train RUN_DIR --resume`
+    interrupts.arm(f"qkvlab train {shlex.quote(str(cfg.run_dir))} --resume")
     summary = train(cfg, resume=opts.resume)
     if env_rank() != 0:
         return 0  # under torchrun rank 0 speaks for the job
@@ -231,7 +234,7 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--out", help="run folder (overrides run.out_dir)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     add_overrides(p)
-    register(p, TrainOptions, run_train)
+    register(p, TrainOptions, run_train, trains=True)
 
     p = sub.add_parser("eval", help="validation loss of a run or checkpoint")
     p.add_argument("path", help="run folder or checkpoint folder")

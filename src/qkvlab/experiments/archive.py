@@ -16,6 +16,7 @@ from pathlib import Path
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE
 from qkvlab.experiments.sweep import SWEEP_FILE
+from qkvlab.fsutil import check_inside
 from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.records import is_finished, read_json_record
@@ -31,21 +32,36 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
     if not (src / SWEEP_FILE).is_file():
         raise QkvlabError(f"{src} is not a sweep folder (no {SWEEP_FILE}): pass the folder "
                           "`qkvlab sweep` wrote")
-    if dest.resolve() == src.resolve():
-        raise QkvlabError("the archive must go to another folder than the sweep itself")
+    _check_destination(src, dest)
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
     kept = [r for r in runs if _finished(r)] if finished_only else runs
-    for name in SWEEP_RECORDS:
-        if (src / name).is_file():
-            dest.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src / name, dest / name)
-    for run in kept:
-        target = dest / run.relative_to(src)
-        target.mkdir(parents=True, exist_ok=True)
-        for name in RUN_RECORDS:
-            if (run / name).is_file():
-                shutil.copy2(run / name, target / name)
+    copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()]
+    copies += [(run / name, dest / run.relative_to(src) / name)
+               for run in kept for name in RUN_RECORDS if (run / name).is_file()]
+    for record, copy in copies:  # all checked before the first copy
+        check_inside(src, record)
+        check_inside(dest, copy)
+    for record, copy in copies:
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(record, copy)
     return len(kept), len(runs) - len(kept)
+
+
+def _check_destination(src: Path, dest: Path) -> None:
+    """The archive goes outside the sweep (inside it, a later archive would copy the copy, and
+    a run folder's records would change), and not into the archive of another sweep (its run
+    folders would stay, mixed with these)."""
+    if dest.resolve().is_relative_to(src.resolve()):
+        raise QkvlabError(f"the archive {dest} lies inside the sweep {src}: give a folder "
+                          "outside it")
+    theirs = dest / SWEEP_FILE
+    if not theirs.exists():
+        return
+    record, mine = read_json_record(theirs), read_json_record(src / SWEEP_FILE)
+    spec = (record or {}).get("spec")
+    if spec is None or spec != (mine or {}).get("spec"):
+        raise QkvlabError(f"{dest} holds the archive of another sweep (spec {spec!r}): give a "
+                          "new folder, or remove that archive first")
 
 
 def _finished(run: Path) -> bool:

@@ -47,6 +47,17 @@ def point_latest(run_dir: Path, ckpt: Path) -> None:
             f"updating {run_dir / LATEST_FILE}", exc, last_good_checkpoint(run_dir))) from exc
 
 
+def check_latest(run_dir: Path) -> None:
+    """Refuse a `latest` that point_latest could not replace (a folder, say): found at the
+    first checkpoint, it would cost the training done until then."""
+    latest = run_dir / LATEST_FILE
+    if os.path.lexists(latest) and not latest.is_file():
+        kind = "a folder" if latest.is_dir() else "not a regular file"
+        raise QkvlabError(f"{latest} is {kind}, but it must be the file naming the newest "
+                          f"checkpoint: move it out of the run folder (qkvlab writes it anew at "
+                          "the next checkpoint; reading the run does not need it)")
+
+
 def prune(run_dir: Path, keep_last: int, keep: Path) -> None:
     """Remove all but the newest keep_last ckpt-* folders (never `keep`, the one just written)."""
     for old in list_checkpoints(run_dir)[:-keep_last]:

@@ -33,6 +33,7 @@ class Checkpointer:
                  optimizer: torch.optim.Optimizer):
         self.run_dir, self.cfg, self.par, self.optimizer = Path(run_dir), cfg, par, optimizer
         self.ctx = par.ctx
+        store.check_latest(self.run_dir)  # before training, not at the first checkpoint
 
     def weights_finite(self) -> bool:
         """Whether every process's weights are finite: only such weights may be saved (ones
