@@ -3,6 +3,12 @@ of the folder a new checkpoint is written to.
 
 Shared by the data cache, prepared datasets, run configs, metrics and checkpoints, so every
 file qkvlab writes is either complete or absent.
+
+The folders qkvlab writes into or copies out of (run folders, checkpoints, exports, sweeps)
+hold their own files: a symbolic link that leads out of the folder is refused (`check_inside`,
+`check_tree`) before anything is written, and copies read through `read_inside` /
+`read_tree_inside`, so nothing outside is ever overwritten or copied in. A link that stays
+inside its folder is harmless (an atomic write replaces the link itself) and is allowed.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import hashlib
 import os
 import uuid
 from pathlib import Path
+
+from qkvlab.errors import QkvlabError
 
 
 def sha256_file(path: Path) -> str:
@@ -73,3 +81,48 @@ def fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# ---- links out of a folder ----------------------------------------------------------------
+def check_inside(folder: Path, path: Path) -> None:
+    """Refuse `path` (a path in `folder`) when it, or a folder on the way to it, is a symbolic
+    link whose target lies outside `folder`: writing or copying it would touch that target."""
+    folder, path = Path(folder), Path(path)
+    try:
+        root, target = folder.resolve(), path.resolve()
+    except (OSError, RuntimeError):  # a link loop: it leads nowhere inside either
+        target = None
+    if target is not None and target.is_relative_to(root):
+        return
+    where = f"to {target}" if target is not None else "in a loop"
+    raise QkvlabError(f"{path} leads {where} through a symbolic link, outside {folder}: qkvlab "
+                      "writes and copies only the folder's own files; replace the link with "
+                      "a regular file or folder")
+
+
+def check_tree(folder: Path, root: Path | None = None) -> None:
+    """`check_inside(root, ...)` for `folder` and every symbolic link in it and below (no link
+    is followed); `root` defaults to `folder`. A folder that does not exist yet holds none."""
+    folder = Path(folder)
+    root = folder if root is None else Path(root)
+    check_inside(root, folder)
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in (*dirnames, *filenames):
+            entry = Path(dirpath) / name
+            if entry.is_symlink():
+                check_inside(root, entry)
+
+
+def read_inside(folder: Path, path: Path) -> bytes:
+    """The bytes of `path` for a copy, refused when a link takes it out of `folder`."""
+    check_inside(folder, path)
+    return Path(path).read_bytes()
+
+
+def read_tree_inside(folder: Path, src: Path) -> dict[str, bytes]:
+    """Every file under `src` (a folder in `folder`) by its relative path, for a copy; all
+    checked before any is read, so a refused copy has read (and written) nothing."""
+    src = Path(src)
+    check_tree(src, folder)
+    return {p.relative_to(src).as_posix(): p.read_bytes()
+            for p in sorted(src.rglob("*")) if p.is_file()}

@@ -8,7 +8,6 @@ world size.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from qkvlab.data.tokenizer import Tokenizer, load_tokenizer
 from qkvlab.errors import QkvlabError
+from qkvlab.jsonfile import read_json_object
 
 ID_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning for out-of-range ids
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -103,8 +103,8 @@ class TokenData:
         if not path.is_file():
             raise self._no_data("no meta.json")
         try:
-            meta = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError):
+            meta = read_json_object(path, fix="")
+        except QkvlabError:  # the fix here is to prepare the folder again
             raise self._no_data("meta.json is unreadable") from None
         if not isinstance(meta, dict) or any(k not in meta for k in _REQUIRED):
             raise self._no_data("meta.json lacks required fields")

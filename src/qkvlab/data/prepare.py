@@ -32,6 +32,7 @@ from qkvlab.data.tokenizer import (
 )
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import temp_sibling, write_bytes_atomic
+from qkvlab.jsonfile import read_json_object
 
 FORMAT = 1
 SPLIT_SEED = 2357  # nanoGPT's OpenWebText split seed, reused for every document split
@@ -158,10 +159,9 @@ def _existing_meta(out_dir: Path) -> dict[str, Any] | None:
     if not path.exists():
         return None
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path, fix="")
+    except QkvlabError:
         return {}  # unreadable: counts as "different settings"
-    return meta if isinstance(meta, dict) else {}
 
 
 def _files_intact(out_dir: Path, meta: dict[str, Any]) -> bool:
@@ -340,10 +340,9 @@ def shard_ids(dataset: Any, n_shards: int, index: int) -> np.ndarray:
 
 def _read_json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_json_object(path, fix="")
+    except QkvlabError:
         return {}
-    return value if isinstance(value, dict) else {}
 
 
 def _size(path: Path) -> int:

@@ -21,6 +21,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from qkvlab.data.cache import RemoteFile, fetch_file
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import write_bytes_atomic
+from qkvlab.jsonfile import read_json_object
 
 VALID_SPECS = "char, bytes, gpt2, bpe:N (N >= 257, e.g. bpe:4096)"
 ENDOFTEXT = "<|endoftext|>"
@@ -135,13 +136,11 @@ class CharTokenizer(Tokenizer):
     def load(cls, data_dir: Path) -> CharTokenizer:
         """Read the vocabulary saved by `save`."""
         path = Path(data_dir) / CHAR_VOCAB_FILE
-        try:
-            chars = json.loads(path.read_text(encoding="utf-8"))["chars"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise QkvlabError(
-                f"cannot read the char vocabulary {path}: re-run qkvlab prepare for {data_dir}"
-            ) from exc
-        if not isinstance(chars, list) or not all(isinstance(c, str) for c in chars):
+        rerun = f"re-run qkvlab prepare for {data_dir}"
+        if not path.is_file():
+            raise QkvlabError(f"cannot read the char vocabulary {path}: {rerun}")
+        chars = read_json_object(path, {"chars": "strings"}, fix=rerun).get("chars")
+        if chars is None:
             # the file is data from disk: only a list of strings is a vocabulary
             raise QkvlabError(f"the char vocabulary {path} is malformed: re-run qkvlab prepare "
                               f"for {data_dir}")
@@ -329,20 +328,29 @@ def build_tokenizer(spec: str, texts: Iterable[str] | None = None) -> Tokenizer:
     return BPETokenizer.train(texts, size)
 
 
+# meta.json fields a tokenizer is rebuilt from, by kind (qkvlab.jsonfile.KINDS); the same file
+# kind in a prepared data dir, a run's tokenizer/ copy and an export's qkvlab_tokenizer/
+TOKENIZER_META_FIELDS = {"tokenizer": "str", "vocab_size": "count", "eot_token": "index?",
+                         "tokenizer_files": "strings"}
+
+
+def read_tokenizer_meta(folder: Path, fix: str | None = None) -> dict[str, Any]:
+    """The meta.json of a tokenizer folder, its fields checked (a one-line error otherwise)."""
+    folder = Path(folder)
+    return read_json_object(folder / "meta.json", TOKENIZER_META_FIELDS,
+                            fix=fix or f"re-run qkvlab prepare for {folder}")
+
+
 def load_tokenizer(data_dir: Path, meta: dict[str, Any] | None = None) -> Tokenizer:
     """Rebuild the tokenizer of a prepared data dir from its meta.json and saved files."""
     data_dir = Path(data_dir)
     if meta is None:
-        try:
-            meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+        if not (data_dir / "meta.json").is_file():
             raise QkvlabError(
                 f"no prepared data at {data_dir}: run `qkvlab prepare shakespeare "
                 f"--tokenizer char --out {data_dir}`"
-            ) from exc
-        if not isinstance(meta, dict):
-            raise QkvlabError(f"{data_dir / 'meta.json'} is not a JSON object: re-run "
-                              f"qkvlab prepare for {data_dir}")
+            )
+        meta = read_tokenizer_meta(data_dir)
     spec = str(meta.get("tokenizer", ""))
     kind, _ = parse_spec(spec)
     if kind == "char":

@@ -55,7 +55,7 @@ from qkvlab.experiments.spec import (
     config_identity,
     identity_diff,
 )
-from qkvlab.fsutil import write_text_atomic
+from qkvlab.fsutil import check_tree, write_text_atomic
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.run.config import EMBEDDED_SOURCE, load_config, save_config
 from qkvlab.run.layout import (
@@ -407,6 +407,7 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
 def copy_finished_run(run: Run, src: Path) -> None:
     """Copy a finished run into this sweep (checkpoints too, so --per-window can score it), under
     this run's name and folder; `reused.json` says where it came from."""
+    check_tree(src)  # copytree would copy what a link out of the run points to
     tmp = run.run_dir.with_name(f".{run.run_dir.name}.copying")  # not a seed-* folder
     shutil.rmtree(tmp, ignore_errors=True)  # a copy cut short earlier
     shutil.copytree(src, tmp)

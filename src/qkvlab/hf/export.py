@@ -25,11 +25,20 @@ import torch
 from safetensors.torch import save_file
 
 from qkvlab.data.cache import fetch_file
-from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, TOKENIZER_FILES
+from qkvlab.data.tokenizer import (
+    BPE_FILE,
+    GPT2_ENCODER,
+    GPT2_VOCAB_BPE,
+    TOKENIZER_FILES,
+    read_tokenizer_meta,
+)
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import check_tree
 from qkvlab.hf.gpt2 import QKVLAB_KEY, export_problem, to_gpt2
 from qkvlab.hf.llama import LLAMA_ARCH, is_llama_style, llama_problem, to_llama
+from qkvlab.jsonfile import read_json_object
 from qkvlab.model.gpt import GPT
+from qkvlab.run.layout import TOKENIZER_DIR
 from qkvlab.run.load import find_tokenizer_dir, load_model
 
 FORMATS = ("hf",)
@@ -65,12 +74,12 @@ def tokenizer_export(ckpt: Any, block_size: int) -> TokenizerExport:
         out.note = ("no tokenizer found (no tokenizer/ in the run, no data at "
                     f"{ckpt.config.data.dir}): tokenizer files skipped")
         return out
-    try:
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise QkvlabError(f"cannot read {folder / 'meta.json'} ({exc}): re-run qkvlab prepare"
-                          ) from None
-    spec = str(meta.get("tokenizer", ""))
+    # its files are copied into the export: a run's (or checkpoint's) tokenizer/ is that
+    # folder's own, a data dir's files are the data dir's
+    owner = folder.parent if folder.name == TOKENIZER_DIR else folder
+    check_tree(folder, owner)
+    meta = read_tokenizer_meta(folder)
+    spec = meta.get("tokenizer", "")
     out.spec, out.vocab_size = spec, meta.get("vocab_size")
     out.eot_token = meta.get("eot_token")
     keep = {"tokenizer": spec, "vocab_size": out.vocab_size, "eot_token": out.eot_token}
@@ -116,8 +125,8 @@ def _check_out_dir(out: Path, source: Path) -> None:
         is_ours = False
         if previous.is_file():
             try:
-                is_ours = QKVLAB_KEY in json.loads(previous.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
+                is_ours = QKVLAB_KEY in read_json_object(previous, fix="")
+            except QkvlabError:  # not a config.json qkvlab wrote
                 is_ours = False
         if any(out.iterdir()) and not is_ours:
             # the folder is replaced as a whole: never replace someone else's

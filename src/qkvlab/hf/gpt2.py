@@ -28,6 +28,7 @@ import torch
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
+from qkvlab.hf.sizes import check_sizes
 from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
@@ -204,6 +205,13 @@ def _field(config: dict[str, Any], *names: str, default: Any = None) -> Any:
     return default
 
 
+# config.json's layer count and widths, bounded by the tensors present before the shape table
+# is built from them (hf/sizes.py)
+GPT2_LAYER_FIELDS = ("n_layer", "num_hidden_layers")
+GPT2_WIDTH_FIELDS = ("n_embd", "hidden_size", "n_head", "num_attention_heads", "vocab_size",
+                     "n_positions", "max_position_embeddings", "n_inner")
+
+
 def _need_int(config: dict[str, Any], *names: str, default: int | None = None) -> int:
     value = _field(config, *names, default=default)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -331,6 +339,7 @@ def from_gpt2(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
     export of a qkvlab model imports as the same scheme. Returns (model, notes).
     """
     check_gpt2_config(config)
+    check_sizes(config, tensors, layers=GPT2_LAYER_FIELDS, widths=GPT2_WIDTH_FIELDS)
     notes: list[str] = []
     d = _need_int(config, "n_embd", "hidden_size")
     H = _need_int(config, "n_head", "num_attention_heads")

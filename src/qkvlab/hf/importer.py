@@ -26,8 +26,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from qkvlab.data.cache import cache_dir
 from qkvlab.data.prepare import default_data_dir
-from qkvlab.data.tokenizer import BPE_FILE, GPT2_ENCODER, GPT2_VOCAB_BPE, BPETokenizer
+from qkvlab.data.tokenizer import (
+    BPE_FILE,
+    GPT2_ENCODER,
+    GPT2_VOCAB_BPE,
+    BPETokenizer,
+    read_tokenizer_meta,
+)
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import check_tree, read_inside
 from qkvlab.hf.export import (
     CONFIG_FILE,
     GPT2_ARCH,
@@ -44,11 +51,13 @@ from qkvlab.hf.gpt2 import (
     from_gpt2,
 )
 from qkvlab.hf.llama import LLAMA_ARCH, check_llama_config, from_llama
+from qkvlab.jsonfile import check_fields, read_json_object
+from qkvlab.model.config import from_table
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.config import DataConfig, RunConfig, TrainConfig
 from qkvlab.run.layout import TOKENIZER_DIR, checkpoint_out_dir
-from qkvlab.run.load import IMPORTED_KIND, NO_TOKENIZER, load_model
+from qkvlab.run.load import IMPORTED_KIND, NO_TOKENIZER, load_model, read_data_meta
 
 INDEX_FILE = "model.safetensors.index.json"
 PICKLE_NAMES = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -58,6 +67,13 @@ GPT2_VOCAB = 50257
 GPT2_EOT = 50256
 CONVERT_HINT = ("load it with transformers once and save it with "
                 "model.save_pretrained(DIR, safe_serialization=True)")
+
+
+# config.json fields read here beyond the architecture's own (gpt2.py, llama.py check those),
+# and those of the entry a qkvlab export adds, by kind (qkvlab.jsonfile.KINDS)
+CONFIG_FIELDS = {"model_type": "str?", QKVLAB_KEY: "object?"}
+QKVLAB_FIELDS = {"data": "object?", "step": "index?"}
+CONFIG_FIX = "fix config.json, or save the model again with transformers"
 
 
 def read_config(model_dir: Path) -> dict[str, Any]:
@@ -71,12 +87,9 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     path = model_dir / CONFIG_FILE
     if not path.is_file():
         raise QkvlabError(f"no {CONFIG_FILE} in {model_dir}: not a transformers model folder")
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise QkvlabError(f"{path} is not valid JSON ({exc})") from None
-    if not isinstance(config, dict):
-        raise QkvlabError(f"{path} is not a JSON object")
+    config = read_json_object(path, CONFIG_FIELDS, fix=CONFIG_FIX)
+    check_fields(config.get(QKVLAB_KEY) or {}, QKVLAB_FIELDS, f"{path}: {QKVLAB_KEY}",
+                 CONFIG_FIX)
     check_config(config)
     return config
 
@@ -110,11 +123,11 @@ def read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     if single.is_file():
         return _load(single)
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise QkvlabError(f"{index} is not a safetensors index ({exc})") from None
+        fix = f"not a safetensors index; {CONVERT_HINT}"
+        weight_map = read_json_object(index, {"weight_map": "object"}, fix=fix).get("weight_map")
+        if not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
+            raise QkvlabError(f"{index} has no weight_map of tensor names to shard files: {fix}")
+        shards = sorted(set(weight_map.values()))
         tensors: dict[str, torch.Tensor] = {}
         for shard in shards:
             shard_path = model_dir / shard
@@ -153,24 +166,33 @@ def _cached_gpt2_tables() -> tuple[dict[str, int], list[str]] | None:
     return json.loads(enc.read_text(encoding="utf-8")), merges
 
 
+def copy_bound(model_dir: Path) -> Path:
+    """The folder whose files import-hf may copy from: the model folder, or for a snapshot of
+    the Hugging Face hub cache (models--ORG--NAME/snapshots/REV, whose files are links into
+    ../../blobs) the cached repository, since its blobs are the snapshot's own files."""
+    snapshots = model_dir.resolve().parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent
+    return model_dir
+
+
 def detect_tokenizer(model_dir: Path) -> TokenizerImport:
     """Recognise the model directory's tokenizer as one of qkvlab's (gpt2, bpe:N, or a qkvlab
     export's own tables)."""
     out = TokenizerImport()
     ours = model_dir / QKVLAB_TOKENIZER_DIR
     if (ours / "meta.json").is_file():
-        try:
-            meta = json.loads((ours / "meta.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise QkvlabError(f"{ours / 'meta.json'} is not valid JSON ({exc})") from None
+        meta = read_tokenizer_meta(ours, f"export the model again, or remove "
+                                          f"{QKVLAB_TOKENIZER_DIR}/ to import it without")
         out.spec, out.vocab_size = meta.get("tokenizer"), meta.get("vocab_size")
+        check_tree(ours, copy_bound(model_dir))  # copied into the checkpoint: never a link's target
         out.files = {p.name: p.read_bytes() for p in ours.iterdir() if p.is_file()}
         out.note = f"qkvlab {out.spec} tokenizer (from {QKVLAB_TOKENIZER_DIR}/)"
         return out
     vocab, merges = model_dir / "vocab.json", model_dir / "merges.txt"
     if vocab.is_file() and merges.is_file():
+        table = read_json_object(vocab, fix="it must map each token to its id")
         try:
-            table = json.loads(vocab.read_text(encoding="utf-8"))
             merge_lines = [m for m in merges.read_text(encoding="utf-8").splitlines()
                            if m and not m.startswith("#version")]
         except (OSError, UnicodeDecodeError, ValueError) as exc:
@@ -200,7 +222,7 @@ def detect_tokenizer(model_dir: Path) -> TokenizerImport:
             spec = f"bpe:{size}"
             BPETokenizer.load(model_dir, spec)  # fails (one line) if qkvlab cannot use it
             out.spec = spec
-            out.files = {BPE_FILE: tok_json.read_bytes(),
+            out.files = {BPE_FILE: read_inside(copy_bound(model_dir), tok_json),
                          "meta.json": json.dumps({"tokenizer": spec, "vocab_size": size}).encode()}
             out.note = f"tokenizer.json as qkvlab's {spec}"
         else:
@@ -223,18 +245,13 @@ class ImportResult:
 def _data_config(config: dict[str, Any], tok: TokenizerImport, data_dir: str | None,
                  name: str) -> Any:
     if data_dir:
-        meta_path = Path(data_dir) / "meta.json"
-        try:
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no meta.json): "
-                              "run qkvlab prepare first") from None
+        meta = read_data_meta(Path(data_dir))
         return DataConfig(dir=str(data_dir), source=str(meta.get("source", "unknown")),
                           tokenizer=str(meta.get("tokenizer")), prepare_if_missing=False), meta
     recorded = (config.get(QKVLAB_KEY) or {}).get("data")
     if isinstance(recorded, dict):
         try:
-            return DataConfig(**recorded), None
+            return from_table(DataConfig, recorded, "data"), None  # typed, as a config file
         except (TypeError, QkvlabError):
             pass  # an export from another qkvlab version: fall through
     if tok.spec in ("gpt2", "bytes"):
@@ -301,7 +318,7 @@ def import_model_dir(model_dir: str | Path, out: str | Path | None = None, *,
                           f"{tok.vocab_size} tokens but the model only {V}")
     name = model_dir.resolve().name or "model"
     data_cfg, data_meta = _data_config(config, tok, data_dir, f"hf-{name}")
-    if data_meta is not None and int(data_meta.get("vocab_size", 0)) > V:
+    if data_meta is not None and data_meta.get("vocab_size", 0) > V:
         raise QkvlabError(f"mismatched vocabularies: --data {data_dir} has "
                           f"{data_meta.get('vocab_size')} tokens but the model only {V}")
     dest = checkpoint_out_dir(out, Path("runs") / f"hf-{name}", model_dir,

@@ -25,6 +25,7 @@ import torch
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
+from qkvlab.hf.sizes import check_sizes
 from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
@@ -156,6 +157,14 @@ def _attention_tensors(cfg: ModelConfig, sd: dict[str, torch.Tensor], p: str, h:
 
 
 # ---- import -----------------------------------------------------------------------------------
+# config.json's layer count and widths, bounded by the tensors present before anything is
+# built from them (hf/sizes.py); max_position_embeddings has no table (RoPE) and ModelConfig
+# bounds it
+LLAMA_LAYER_FIELDS = ("num_hidden_layers",)
+LLAMA_WIDTH_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                      "num_key_value_heads", "head_dim", "vocab_size")
+
+
 def _int(config: dict[str, Any], key: str, default: int | None = None) -> int:
     value = config.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -237,6 +246,7 @@ def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
     """A qkvlab GPT equal to the LlamaForCausalLM of (config.json, its tensors). With `detect`,
     a q_proj (or k_proj) equal to r I in every layer imports as W_Q = I (W_K = I) with scale
     r / sqrt(d_k); without it every projection is kept as a matrix (projection=baseline)."""
+    check_sizes(config, tensors, layers=LLAMA_LAYER_FIELDS, widths=LLAMA_WIDTH_FIELDS)
     cfg = check_llama_config(config)
     sd = {k.removeprefix("model."): v for k, v in tensors.items()}
     layer = [f"layers.{i}.self_attn." for i in range(cfg.n_layer)]
@@ -251,18 +261,19 @@ def from_llama(config: dict[str, Any], tensors: dict[str, torch.Tensor], *,
         projection, ratio = f"{n}-identity", ratios[0]
         break
     cfg = dataclasses.replace(cfg, projection=projection, attn_scale=std_scale * ratio)
-    model = GPT(cfg)
     state = _qkvlab_state(cfg, sd, projection, ratio)
-    _check_state(model, state)
+    _check_state(cfg, state)  # before GPT(cfg) allocates what config.json's sizes say
+    model = GPT(cfg)
     model.load_state_dict(state, strict=True)
     return model.float().eval()
 
 
-def _check_state(model: GPT, state: dict[str, torch.Tensor]) -> None:
+def _check_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
     """Refuse (one line) tensors whose shapes do not follow config.json, or that are not
-    finite, before load_state_dict would raise a traceback about them."""
-    expected = model.state_dict()
-    V = model.cfg.vocab_size
+    finite, before the model is built (and load_state_dict would raise a traceback)."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        expected = GPT(cfg).state_dict()
+    V = cfg.vocab_size
     for key, want in expected.items():
         got = state.get(key)
         if got is None or tuple(got.shape) == tuple(want.shape):

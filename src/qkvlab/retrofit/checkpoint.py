@@ -20,7 +20,14 @@ from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.config import DataConfig
 from qkvlab.run.device import evaluate, resolve_device
 from qkvlab.run.layout import checkpoint_out_dir
-from qkvlab.run.load import carry_tokenizer, check_vocab, data_config, load_model, open_data
+from qkvlab.run.load import (
+    carry_tokenizer,
+    check_vocab,
+    data_config,
+    load_model,
+    open_data,
+    tokenizer_to_carry,
+)
 
 TARGETS = ("q-identity",)
 MAX_DEFAULT_WINDOWS = 128  # `qkvlab retrofit --help` states this number
@@ -112,6 +119,7 @@ def retrofit_checkpoint(
     check_source(teacher, init)
     dest = checkpoint_out_dir(out, ckpt.run_dir / f"retrofit-{to}", ckpt.path,
                               "the source checkpoint") if write else None
+    carried = tokenizer_to_carry(ckpt) if write else {}  # checked before the heal
     cfg = ckpt.config
     hc = heal_config or HealConfig(batch_size=cfg.train.batch_size, lr=3 * cfg.optim.min_lr)
     data_cfg = data_config(ckpt, data_dir)
@@ -143,7 +151,7 @@ def retrofit_checkpoint(
         heal_result=result, other_inits=other, params_before=count_params(cfg.model).total,
         params_after=count_params(student.cfg).total, windows=n, block_size=block)
     if dest is not None:
-        write_retrofit(dest, student, ckpt, report, data_cfg)
+        write_retrofit(dest, student, ckpt, report, data_cfg, carried)
     return report
 
 
@@ -164,14 +172,17 @@ def _other_inits(teacher: GPT, init: str, moments: Any, val_loss: Callable[[GPT]
 
 
 def write_retrofit(dest: Path, student: GPT, ckpt: Any, report: RetrofitReport,
-                   data_cfg: DataConfig | None = None) -> Path:
+                   data_cfg: DataConfig | None = None,
+                   tokenizer: dict[str, bytes] | None = None) -> Path:
     """Save the healed model as a regular checkpoint (with the report in state.json); its
-    config names the data it was healed on (`data_cfg`, default the source's)."""
+    config names the data it was healed on (`data_cfg`, default the source's), the run's
+    tokenizer comes along (`tokenizer`: as `tokenizer_to_carry` read it, default read now)."""
+    carried = tokenizer_to_carry(ckpt) if tokenizer is None else tokenizer
     new_cfg = dataclasses.replace(ckpt.config, model=student.cfg,
                                   data=data_cfg or ckpt.config.data)
     state = {"step": ckpt.step, "kind": "retrofit", "val_loss": report.after_heal,
              "retrofit": report.as_dict()}
     write_checkpoint(dest, student.state_dict(), new_cfg, state=state)
-    carry_tokenizer(ckpt, dest)  # so `qkvlab sample` finds it
+    carry_tokenizer(carried, dest)  # so `qkvlab sample` finds it
     report.dest = dest
     return dest

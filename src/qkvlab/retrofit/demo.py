@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from qkvlab.fsutil import check_tree
 from qkvlab.retrofit.checkpoint import RetrofitReport, write_retrofit
 from qkvlab.retrofit.heal import HealConfig, heal
 from qkvlab.retrofit.init import attention_moments, build_student
@@ -56,6 +57,7 @@ def run_demo(out: Path, base: Path | None = None, *, steps: int = 100, windows: 
              eval_every: int = 25, lr: float | None = None, seed: int = 0,
              base_steps: int = BASE_STEPS, log=print) -> dict[str, Any]:
     torch.manual_seed(seed)
+    check_tree(out)  # results.json and RESULTS.md are written in place
     out.mkdir(parents=True, exist_ok=True)
     base = base or train_base(out, base_steps)
     teacher, ckpt = load_model(base, "cpu")

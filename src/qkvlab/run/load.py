@@ -3,14 +3,13 @@
 `load_model` reads a checkpoint into a GPT; `open_data` opens (or prepares) the run's data and
 `check_vocab` checks the model covers it; the tokenizer is copied into the run when training
 starts (`copy_tokenizer`), found again from a checkpoint (`find_tokenizer_dir`,
-`run_tokenizer`) and carried along to checkpoints derived from a run (`carry_tokenizer`).
+`run_tokenizer`) and carried along to checkpoints derived from a run (`tokenizer_to_carry`,
+`carry_tokenizer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ import torch
 
 from qkvlab.data.loader import TokenData
 from qkvlab.data.prepare import prepare
-from qkvlab.data.tokenizer import Tokenizer, load_tokenizer
+from qkvlab.data.tokenizer import Tokenizer, load_tokenizer, read_tokenizer_meta
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import write_text_atomic
+from qkvlab.fsutil import read_tree_inside, write_bytes_atomic, write_text_atomic
 from qkvlab.model import GPT
 from qkvlab.run.checkpoint import Checkpoint, load_model_state
 from qkvlab.run.config import EMBEDDED_SOURCE, DataConfig, RunConfig
@@ -110,12 +109,31 @@ def run_tokenizer(ckpt: Checkpoint) -> Tokenizer:
     )
 
 
-def carry_tokenizer(ckpt: Checkpoint, dest: Path) -> None:
-    """Copy the run's tokenizer next to a checkpoint derived from it (converted, retrofitted),
-    where sampling looks for it; one already there is kept."""
+def tokenizer_to_carry(ckpt: Checkpoint) -> dict[str, bytes]:
+    """The run's tokenizer files, for a checkpoint derived from it (converted, retrofitted);
+    read before that checkpoint is written, so a link out of the run is refused first."""
     src_tok = ckpt.run_dir / TOKENIZER_DIR
-    if src_tok.is_dir() and not (dest / TOKENIZER_DIR).exists():
-        shutil.copytree(src_tok, dest / TOKENIZER_DIR)
+    return read_tree_inside(ckpt.run_dir, src_tok) if src_tok.is_dir() else {}
+
+
+def carry_tokenizer(files: dict[str, bytes], dest: Path) -> None:
+    """Put the files of `tokenizer_to_carry` next to the derived checkpoint `dest`, where
+    sampling looks for them; a tokenizer already there is kept."""
+    if files and not (dest / TOKENIZER_DIR).exists():
+        for name, data in files.items():
+            write_bytes_atomic(dest / TOKENIZER_DIR / name, data)
+
+
+def read_data_meta(data_dir: Path) -> dict[str, Any]:
+    """meta.json of the folder a user passed as --data, checked; it must name its tokenizer."""
+    fix = "make one with `qkvlab prepare`"
+    meta = None
+    if (data_dir / "meta.json").is_file():
+        meta = read_tokenizer_meta(data_dir, fix)
+    if meta is None or "tokenizer" not in meta:
+        raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no readable "
+                          f"meta.json naming its tokenizer): {fix}")
+    return meta
 
 
 def data_config(ckpt: Any, data_dir: str | Path | None) -> DataConfig:
@@ -127,14 +145,9 @@ def data_config(ckpt: Any, data_dir: str | Path | None) -> DataConfig:
     if data_dir:
         if dc.tokenizer != NO_TOKENIZER:
             return dataclasses.replace(dc, dir=str(data_dir))
-        try:
-            meta = json.loads((Path(data_dir) / "meta.json").read_text(encoding="utf-8"))
-            tokenizer = str(meta["tokenizer"])
-        except (OSError, ValueError, KeyError, TypeError):
-            raise QkvlabError(f"--data {data_dir} is not a prepared data folder (no readable "
-                              "meta.json): make one with `qkvlab prepare`") from None
+        meta = read_data_meta(Path(data_dir))
         return DataConfig(dir=str(data_dir), source=str(meta.get("source") or "unknown"),
-                          tokenizer=tokenizer, prepare_if_missing=False)
+                          tokenizer=meta["tokenizer"], prepare_if_missing=False)
     if imported and not (Path(dc.dir) / "meta.json").is_file():
         why = ("the import found no tokenizer qkvlab can use, so " if dc.tokenizer ==
                NO_TOKENIZER else "")

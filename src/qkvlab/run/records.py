@@ -3,21 +3,25 @@ test for "this run finished", shared by sweeps, compare and reports."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from qkvlab.errors import QkvlabError
+from qkvlab.jsonfile import read_json_object
+
 
 def read_json_record(path: Path) -> dict[str, Any] | None:
-    """A JSON object from `path`, or None when it is missing, unreadable or not an object."""
+    """A JSON object from `path`, or None when it is missing, unreadable, not an object or
+    nested absurdly deep."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):
+        return read_json_object(path, fix="")
+    except QkvlabError:
         return None
-    return data if isinstance(data, dict) else None
 
 
 def is_finished(summary: dict[str, Any] | None, max_steps: int) -> bool:
     """A run's summary.json says it ran to max_steps (not stopped early by a signal)."""
-    return bool(summary) and not summary.get("interrupted") \
-        and int(summary.get("steps") or 0) >= max_steps
+    steps = (summary or {}).get("steps")
+    # a record from disk: a steps field that is no number is no finished run
+    return bool(summary) and not summary.get("interrupted") and isinstance(steps, int | float) \
+        and not isinstance(steps, bool) and steps >= max_steps

@@ -20,7 +20,13 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model.gpt import GPT
 from qkvlab.run.checkpoint import write_checkpoint
 from qkvlab.run.layout import checkpoint_out_dir
-from qkvlab.run.load import carry_tokenizer, check_vocab, load_model, open_data
+from qkvlab.run.load import (
+    carry_tokenizer,
+    check_vocab,
+    load_model,
+    open_data,
+    tokenizer_to_carry,
+)
 from qkvlab.theory.convert import TARGETS, ConversionReport, convert
 
 DEFAULT_WINDOWS = 16  # float64 forward passes on CPU: enough windows to see any mismatch
@@ -82,6 +88,7 @@ def convert_checkpoint(path: str | Path, to: str = "q-identity", out: str | Path
     model, ckpt = load_model(path, "cpu")
     dest = checkpoint_out_dir(out, ckpt.run_dir / f"converted-{to}", ckpt.path,
                               "the source checkpoint")
+    carried = tokenizer_to_carry(ckpt)  # read (and checked) before anything is written
     new, report = convert(model, to)  # refuses (QkvlabError) outside the theorems
     exact64, _ = convert(model, to, dtype=torch.float64)
 
@@ -112,6 +119,6 @@ def convert_checkpoint(path: str | Path, to: str = "q-identity", out: str | Path
     }
     write_checkpoint(dest, new.state_dict(), new_cfg, state=state)
     # Sampling looks for the run's tokenizer next to the checkpoint: bring a copy along.
-    carry_tokenizer(ckpt, dest)
+    carry_tokenizer(carried, dest)
     eps = torch.finfo(next(new.parameters()).dtype).eps
     return ConvertResult(dest, report, saved, exact, eps)

@@ -17,7 +17,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from qkvlab.fsutil import write_text_atomic
+from qkvlab.fsutil import check_tree, write_text_atomic
 from qkvlab.run import guard, store
 from qkvlab.run.config import RunConfig
 from qkvlab.run.device import resolve_device
@@ -29,6 +29,7 @@ from qkvlab.train.progress import StopFlag
 from qkvlab.train.session import Session, close_outputs, open_outputs, setup
 from qkvlab.train.steps import (
     check_divergence,
+    check_initial,
     evaluate,
     keep_best,
     save,
@@ -49,6 +50,9 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     cfg = cfg.on_device(resolve_device(cfg.train.device).type)
     # refuse an absurd config before anything is allocated, locked or written
     guard.train_memory_check(cfg, resolve_device(cfg.train.device))
+    # every file of the run is written in place: a link out of the folder would be written
+    # through (metrics.jsonl, tokenizer/, tb/, ...)
+    check_tree(run_dir)
     # under torchrun every process runs this; rank 0 alone holds the lock and writes files
     with distributed.session(resolve_device(cfg.train.device)) as ctx, \
             (RunLock(run_dir) if ctx.is_main else contextlib.nullcontext()):
@@ -84,8 +88,10 @@ def loop(s: Session) -> int | None:
         s.model.train()
         if s.ckpt is None:  # a fresh run: the initial weights' val loss is step 0's record
             rec0 = {"step": 0, "tokens": 0, "lr": lr_at(0, s.cfg.optim, tc.max_steps)}
-            keep_best(s, 0, evaluate(s, 0, rec0))
+            val0 = evaluate(s, 0, rec0)
+            keep_best(s, 0, val0)
             s.metrics.write(rec0)
+            check_initial(s, val0)
         for step in range(s.start_step, tc.max_steps):
             rec = train_step(s, step)  # looked up here at each call, so a test can wrap it
             done = step + 1
