@@ -42,8 +42,10 @@ def run_train(opts: TrainOptions) -> int:
         cfg = dataclasses.replace(cfg, out_dir=str(opts.config))  # `train RUN_DIR --resume`
     interrupts.arm(f"qkvlab train {shlex.quote(str(cfg.run_dir))} --resume")
     summary = train(cfg, resume=opts.resume)
+    # stopped by a signal: its checkpoint is written; 128 + the signal, as a shell reports it
+    code = 128 + summary["signal"] if summary["interrupted"] else 0
     if env_rank() != 0:
-        return 0  # under torchrun rank 0 speaks for the job
+        return code  # under torchrun rank 0 speaks for the job
     val, ppl = summary["final_val_loss"], summary["final_val_ppl"]
     val_s = "no val loss" if val is None else \
         f"val loss {val:.4f} (ppl {ppl if ppl is not None else math.nan:.2f})"
@@ -55,7 +57,7 @@ def run_train(opts: TrainOptions) -> int:
           f"MFU {100 * summary['mfu']:.1f}%, run {summary['run_dir']}")
     if summary["interrupted"]:
         print(f"resume with: qkvlab train {summary['run_dir']} --resume")
-    return 0
+    return code
 
 
 def _load(path: str) -> tuple[GPT, Checkpoint, torch.device]:
