@@ -213,7 +213,7 @@ def test_sigint_in_a_skip_streak_reports_the_last_val_loss_with_its_step(
     cfg = save_config(tiny_config(data_dir, "train.max_steps=12", "train.ckpt_interval=100",
                                   "train.eval_interval=100", "train.max_nonfinite=5",
                                   f"run.out_dir={run}"), tmp_path / "c.toml")
-    assert main(["train", str(cfg)]) == 0
+    assert main(["train", str(cfg)]) == 130  # stopped by SIGINT
     out = capsys.readouterr().out
     step0 = read_metrics(run)[0]["val_loss"]
     assert f"stopped at step 6: last val loss {step0:.4f}" in out and "at step 0," in out
