@@ -85,6 +85,19 @@ class EvalOptions:
     lm_eval_limit: int | None = None
     lm_eval_batch_size: int | None = None
     dtype: str | None = None
+    tasks: str | None = None  # downstream tasks (qkvlab.downstream), comma-separated
+    limit: int | None = None
+    batch_size: int | None = None
+
+    def validate(self) -> None:
+        """One mode at a time: val loss, --tasks, or --lm-eval, each with its own options."""
+        require(not (self.tasks is not None and self.lm_eval),
+                "--tasks and --lm-eval are two ways to run downstream tasks: give one")
+        for name, value in (("--limit", self.limit), ("--batch-size", self.batch_size)):
+            require(value is None or self.tasks is not None, f"{name} goes with --tasks")
+        for name, value in (("--windows", self.windows), ("--data", self.data)):
+            require(value is None or self.tasks is None,
+                    f"{name} is for the validation loss, not --tasks: drop it")
 
 
 def eval_dtype(opts: EvalOptions, ckpt: Checkpoint) -> str:
@@ -98,7 +111,11 @@ def eval_dtype(opts: EvalOptions, ckpt: Checkpoint) -> str:
 
 
 def run_eval(opts: EvalOptions) -> int:
-    """Print the validation loss and perplexity of a checkpoint on fixed val windows."""
+    """Print the validation loss and perplexity of a checkpoint on fixed val windows (or,
+    with --tasks / --lm-eval, its downstream task scores)."""
+    opts.validate()
+    if opts.tasks is not None:  # downstream tasks with qkvlab's own scorer
+        return _run_downstream(opts)
     if opts.lm_eval:  # lm-evaluation-harness instead (qkvlab.hf.harness)
         return _run_lm_eval(opts)
     from qkvlab.run import guard
@@ -148,6 +165,26 @@ def _refuse_nonfinite(ckpt: Checkpoint, loss: float) -> None:
         raise QkvlabError(f"checkpoint {ckpt.path} (step {ckpt.step}) gives a non-finite val "
                           f"loss ({loss}): its weights come from a diverged run; evaluate an "
                           "earlier checkpoint")
+
+
+def _run_downstream(opts: EvalOptions) -> int:
+    """Score the tasks, print their table and the skip counts, write the JSON record."""
+    from qkvlab.console import print_table
+    from qkvlab.downstream.evaluate import DEFAULT_BATCH_SIZE, DownstreamOptions, evaluate
+    from qkvlab.downstream.report import results_table, skip_lines
+    from qkvlab.downstream.tasks import parse_tasks
+
+    spec = DownstreamOptions(
+        parse_tasks(opts.tasks or ""), limit=opts.limit, dtype=opts.dtype or "fp32",
+        batch_size=DEFAULT_BATCH_SIZE if opts.batch_size is None else opts.batch_size)
+    done = evaluate(opts.path, spec)
+    rec = done.record
+    print_table(results_table(done.results, f"{rec['checkpoint']} (step {rec['step']}), "
+                                            f"zero-shot, {rec['dtype']}"))
+    for line in skip_lines(done.results):
+        print(line)
+    print(f"results written to {done.path}")
+    return 0
 
 
 def _run_lm_eval(opts: EvalOptions) -> int:
@@ -238,13 +275,22 @@ def add_parser(sub: Subparsers) -> None:
     add_overrides(p)
     register(p, TrainOptions, run_train, trains=True)
 
-    p = sub.add_parser("eval", help="validation loss of a run or checkpoint")
+    p = sub.add_parser("eval", help="validation loss (or downstream tasks) of a run or "
+                                    "checkpoint")
     p.add_argument("path", help="run folder or checkpoint folder")
     p.add_argument("--windows", type=int, help="number of validation windows")
     p.add_argument("--data", help="prepared data folder (default: the run's)")
     p.add_argument("--dtype", choices=["bf16", "fp32"],
                    help="evaluation precision (default: the run's train.dtype; fp32 for an "
-                        "imported model)")
+                        "imported model and for --tasks)")
+    p.add_argument("--tasks", metavar="TASKS",
+                   help="score downstream tasks (comma-separated: hellaswag, piqa, winogrande, "
+                        "arc_easy, arc_challenge, lambada) offline with qkvlab's own scorer; "
+                        "see docs/eval.md")
+    p.add_argument("--limit", type=int, metavar="N",
+                   help="with --tasks: the first N items of each task")
+    p.add_argument("--batch-size", type=int, metavar="B",
+                   help="with --tasks: sequences per forward pass (default 32)")
     p.add_argument("--lm-eval", metavar="TASKS",
                    help="run lm-evaluation-harness tasks (comma-separated) on the model exported "
                         "to transformers instead; PATH may also be a `qkvlab export` folder")

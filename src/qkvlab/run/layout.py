@@ -12,6 +12,7 @@
         latest               the name of the newest ckpt-* folder
         ckpt-NNNNNNN/        checkpoints (run/checkpoint.py for what is inside)
         best/                the checkpoint with the lowest val loss so far
+        downstream/          `qkvlab eval --tasks` results, step-NNNNNNN[-K].json
 
 Leftovers of interrupted writes (.tmp-ckpt-*, .trash-*, .old-*) are cleaned up by
 run/store.py. This module imports nothing heavy: sweeps list run folders without torch.
@@ -35,6 +36,7 @@ TOKENIZER_META = "meta.json"
 TB_DIR = "tb"
 LATEST_FILE = "latest"
 BEST_DIR = "best"
+DOWNSTREAM_DIR = "downstream"
 
 # inside a checkpoint folder
 MODEL_FILE = "model.safetensors"
