@@ -193,3 +193,59 @@ def test_attention_statistics_are_measured_cached_and_archived(tmp_path, data_di
                  "--attention"]) == 0
     again = json.loads((tmp_path / "rep2" / "report.json").read_text())
     assert again["attention"] == rows
+
+
+def test_a_scale_scan_reports_each_arms_best_alpha_and_the_tuned_gap(tmp_path, data_dir):
+    """Both arms scan attn_scale at two widths (n_embd 16: 2 heads of 8; 32: 2 heads of 16)."""
+    import math
+
+    data, text, rep = sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "baseline-a"
+family = "baseline"
+rule = "baseline"
+grid = { attn_scale = [0.7, 2.0] }
+
+[[variant]]
+name = "qid-a"
+family = "qid"
+rule = "q-identity"
+grid = { attn_scale = [0.1, 0.7] }
+
+[[variant]]
+name = "baseline-wide"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
+grid = { attn_scale = [0.1, 0.7] }
+
+[[variant]]
+name = "qid-wide"
+family = "qid"
+rule = "q-identity"
+n_embd = 32
+grid = { attn_scale = [0.1, 0.7] }
+""")
+    runs = {(r["group"], r["seed"]): r["final_val_loss"] for r in data["runs"]}
+    mean = {g: (runs[(g, 1)] + runs[(g, 2)]) / 2 for g, _ in runs}
+    cells = {(c["family"], c["width"]): c for c in data["scale_scan"]}
+    assert set(cells) == {("baseline", 16), ("qid", 16), ("baseline", 32), ("qid", 32)}
+    # d = 16: the spec's own baseline (the standard scale, 1/sqrt(8)) joins the baseline scan
+    base16 = {round(p["alpha"], 6): p["group"] for p in cells[("baseline", 16)]["points"]}
+    assert sorted(base16) == [1.0, round(0.7 * math.sqrt(8), 6), round(2.0 * math.sqrt(8), 6)]
+    for cell in cells.values():
+        groups = [p["group"] for p in cell["points"]]
+        best = min(groups, key=mean.get)
+        assert [p["group"] for p in cell["points"] if p["alpha"] == cell["best_alpha"]] == [best]
+        assert cell["best_at_edge"] == (best in (groups[0], groups[-1]))
+    tuned = {t["width"]: t for t in data["scale_tuned_gaps"]}
+    assert set(tuned) == {16, 32}
+    t = tuned[32]
+    want = [runs[(t["group"], s)] - runs[(t["reference"], s)] for s in (1, 2)]
+    ref = (runs[(t["reference"], 1)] + runs[(t["reference"], 2)]) / 2
+    assert t["relative_pct"] == pytest.approx(50 * sum(want) / ref)
+    assert t["alpha"] == cells[("qid", 32)]["best_alpha"]
+    assert t["reference_alpha"] == cells[("baseline", 32)]["best_alpha"]
+    assert "## The attention scale" in text and "Each arm at its own best alpha" in text
+    assert (rep / "scale_scan.png").stat().st_size > 5_000
+    assert (rep / "tuned_gap_vs_width.png").stat().st_size > 5_000

@@ -14,6 +14,7 @@ from qkvlab.experiments.results import (
     mean_band,
     rel_curves,
 )
+from qkvlab.experiments.scale_scan import ScanCell
 
 
 def _pyplot():
@@ -182,4 +183,42 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
+    _save(plt, fig, path)
+
+
+def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
+    """Left: final validation loss against alpha, one line per family and width (the curves the
+    best alphas come from). Right: each family's best alpha against width (hollow: at the end
+    of its grid, so the optimum may lie beyond)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fams = list(dict.fromkeys(c.family for c in cells))
+    colors = variant_colors(fams)
+    widths = sorted({c.width for c in cells})
+    styles = dict(zip(widths, ["-", "--", ":", "-."] * 4, strict=False))
+    for c in cells:
+        lr = f", lr {c.lr:g}" if len({x.lr for x in cells}) > 1 else ""
+        left.plot([p.alpha for p in c.points], [p.final for p in c.points], marker="o",
+                  ls=styles[c.width], color=colors[c.family], label=f"{c.family} d {c.width}{lr}")
+        left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
+    for fam in fams:
+        mine = sorted((c for c in cells if c.family == fam), key=lambda c: c.width)
+        right.plot([c.width for c in mine], [c.best.alpha for c in mine], color=colors[fam],
+                   label=fam)
+        for c in mine:
+            right.plot([c.width], [c.best.alpha], marker="o", color=colors[fam],
+                       mfc="none" if c.edge else colors[fam])
+    alphas = sorted({p.alpha for c in cells for p in c.points})
+    for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
+        ax.minorticks_off()
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    right.set_yscale("log", base=2)
+    right.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
+    right.minorticks_off()
+    left.set(ylabel="final val loss (mean over seeds)", title="loss against the logit scale")
+    right.set(ylabel="best alpha", title="best alpha against width (hollow: at a grid end)")
     _save(plt, fig, path)

@@ -104,8 +104,10 @@ def _machine_line(m: dict[str, Any]) -> str:
 
 
 # ---- report.md -------------------------------------------------------------------------------
-def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
-    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr" to the written figures."""
+def render_markdown(rep: Report, command: str, plots: dict[str, str],
+                    scan: list[str] | None = None) -> str:
+    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr" to the written figures;
+    `scan` is the attention-scale scan's section (qkvlab.experiments.render_scan), if any."""
     L: list[str] = [f"# qkvlab report: {rep.spec.name}", ""]
     if rep.spec.description:
         L += [rep.spec.description, ""]
@@ -122,6 +124,7 @@ def render_markdown(rep: Report, command: str, plots: dict[str, str]) -> str:
     for axis in TREND_AXES:
         L += _gap_section(rep, axis, plots)
         L += _tuned_section(rep, axis)
+    L += scan or []
     for key, title in (("weight_decay", "Stability: final loss vs weight decay"),
                        ("lr", "Final loss vs learning rate")):
         fams = grid_families(rep, key)
@@ -420,7 +423,7 @@ def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[st
     for w in gaps:
         L.append(f"| {w.family} | {w.value:g} | {w.group} | {w.reference} | "
                  f"{', '.join(map(str, w.result.seeds))} | "
-                 f"{_f(w.result.reference_mean, '.4f')} | {_gap_cells(w)} |")
+                 f"{_f(w.result.reference_mean, '.4f')} | {gap_cells(w)} |")
     if f"gap_{axis.name}" in plots:
         L += ["", f"![gap vs {axis.name}]({plots[f'gap_{axis.name}']})"]
     return L
@@ -443,14 +446,14 @@ def _tuned_section(rep: Report, axis: TrendAxis) -> list[str]:
          "|---|---:|---|---:|---|---|---:|---|---:|---:|---:|---|---:|---|"]
     for w in gaps:
         L.append(f"| {w.family} | {w.value:g} | {w.group} | {w.reference_value:g} | "
-                 f"{w.reference} | {', '.join(map(str, w.result.seeds))} | {_gap_cells(w)} |")
+                 f"{w.reference} | {', '.join(map(str, w.result.seeds))} | {gap_cells(w)} |")
     if any(w.edge for w in gaps):
         L += ["", f"A best {axis.name} lies at the end of the values run: the optimum may lie "
               "beyond them, and the gap at a better value is not measured."]
     return L
 
 
-def _gap_cells(w: SettingGap) -> str:
+def gap_cells(w: SettingGap) -> str:
     """final | 95% CI | p | p (Holm) | best | 95% CI | train | 95% CI of a gap table's row."""
     r = w.result
     train = f"{_pct(w.train.rel_pct)} | {_pct_ci(w.train.rel_ci)}" if w.train else "n/a | n/a"

@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.plots import plot_curves, plot_gaps, plot_grid, plot_rel
+from qkvlab.experiments.plots import plot_curves, plot_gaps, plot_grid, plot_rel, plot_scale_scan
 from qkvlab.experiments.render import render_markdown
+from qkvlab.experiments.render_scan import scan_section
 from qkvlab.experiments.results import (
     CONFIDENCE,
     TREND_AXES,
@@ -47,6 +48,7 @@ from qkvlab.experiments.results import (
     pick_reference,
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
+from qkvlab.experiments.scale_scan import scan_cells, tuned_gaps
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -119,6 +121,7 @@ def _fit_json(row: FitRow) -> dict[str, Any]:
 
 
 def report_json(rep: Report, command: str) -> dict[str, Any]:
+    cells = scan_cells(rep)
     return {
         "spec": rep.spec.name,
         "fingerprint": rep.record.get("fingerprint"),
@@ -141,6 +144,8 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
             {"family": w.family, a.name: w.value, "group": w.group, "reference": w.reference,
              f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
             for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
+        "scale_scan": [c.as_dict() for c in cells],
+        "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep, cells)],
         "runs": [r.as_dict() for r in rep.runs()],
     }
 
@@ -165,7 +170,17 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             name = f"gap_vs_{axis.name}.png"
             plot_gaps(gaps, axis, rep.baseline.group.family, out / name)
             plots[f"gap_{axis.name}"] = name
+    cells = scan_cells(rep)
+    tuned = tuned_gaps(rep, cells)
+    if cells:
+        plot_scale_scan(cells, out / "scale_scan.png")
+        plots["scale_scan"] = "scale_scan.png"
+    if tuned:
+        plot_gaps([t.gap for t in tuned], TREND_AXES[0], rep.baseline.group.family,
+                  out / "tuned_gap_vs_width.png")
+        plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
     path = out / "report.md"
-    write_text_atomic(path, render_markdown(rep, command, plots))
+    scan = scan_section(cells, tuned, rep.baseline.group.family, plots)
+    write_text_atomic(path, render_markdown(rep, command, plots, scan))
     return path

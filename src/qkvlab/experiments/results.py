@@ -246,7 +246,7 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     refs = {_settings(g): g for g in rep.groups if g.group.family == fam}
     if len({k[at] for k in refs}) < 2:
         return []
-    gaps = [_setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
+    gaps = [setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
             if g.group.family != fam]
     return _holm_sorted([w for w in gaps if w is not None])
 
@@ -270,7 +270,7 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
         if family == fam or len(gs) < 2 or len(refs) < 2:
             continue
         best, ref = (min(c, key=lambda g: g.loss.mean) for c in (gs, refs))
-        w = _setting_gap(best, ref, at)
+        w = setting_gap(best, ref, at)
         if w is not None:
             w.reference_value = _settings(ref)[at]
             w.edge = any(_settings(b)[at] in (min(v), max(v)) for b, v in (
@@ -279,7 +279,7 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     return _holm_sorted(gaps)
 
 
-def _setting_gap(g: GroupResult, ref: GroupResult | None, at: int) -> SettingGap | None:
+def setting_gap(g: GroupResult, ref: GroupResult | None, at: int) -> SettingGap | None:
     """`g` paired by seed with `ref` (final, best and training loss), or None without pairs."""
     if ref is None:
         return None

@@ -1,0 +1,112 @@
+"""The attention-scale scan of a sweep: loss against alpha, each arm's best alpha against width,
+and the gap between the tuned arms against width.
+
+alpha is the logit scale in units of the standard one, alpha = scale * sqrt(d_k) (1: 1/sqrt(d_k);
+the paper's halved scale for W_Q = I: 0.5), read from each group's resolved config, so rules
+and numbers mix. A cell is one family at one width and learning rate; a family scans alpha there
+when it has two or more alphas with finished runs. Each family's best alpha is the one with the
+lowest mean final validation loss; the tuned gap pairs (by seed) the best group of each family
+with the reference family's best group at the same width and learning rate: the comparison of
+two arms each at its own scale. The best alpha is picked on these same runs, which flatters each
+side a little; a best alpha at the end of its grid means the optimum may lie beyond it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from qkvlab.experiments.results import GroupResult, Report, SettingGap, setting_gap
+
+
+def alpha_of(g: GroupResult) -> float:
+    """The group's logit scale over the standard 1/sqrt(d_k)."""
+    m = g.group.config.model
+    return m.scale * math.sqrt(m.d_head)
+
+
+@dataclass(frozen=True)
+class ScanPoint:
+    alpha: float
+    group: str
+    seeds: int
+    final: float  # mean final validation loss over the seeds that finished
+    best: float  # mean of each run's lowest validation loss
+
+
+@dataclass(frozen=True)
+class ScanCell:
+    """One family's alpha scan at one width and learning rate."""
+
+    family: str
+    width: int
+    lr: float
+    points: tuple[ScanPoint, ...]  # by alpha
+
+    @property
+    def best(self) -> ScanPoint:
+        return min(self.points, key=lambda p: p.final)
+
+    @property
+    def edge(self) -> bool:
+        """The best alpha is the smallest or the largest run: the optimum may lie beyond."""
+        return self.best.alpha in (self.points[0].alpha, self.points[-1].alpha)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "width": self.width, "lr": self.lr,
+                "best_alpha": self.best.alpha, "best_at_edge": self.edge,
+                "points": [vars(p) for p in self.points]}
+
+
+@dataclass(frozen=True)
+class TunedGap:
+    """A family at its best alpha against the reference family at its best, same width."""
+
+    cell: ScanCell
+    reference: ScanCell
+    gap: SettingGap  # value = the width; result: final loss, best: each run's lowest
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.cell.family, "width": self.cell.width, "lr": self.cell.lr,
+                "alpha": self.cell.best.alpha, "reference_alpha": self.reference.best.alpha,
+                "group": self.gap.group, "reference": self.gap.reference,
+                "at_edge": self.cell.edge or self.reference.edge, **self.gap.as_dict()}
+
+
+def _key(g: GroupResult) -> tuple[str, int, float]:
+    cfg = g.group.config
+    return g.group.family, cfg.model.n_embd, cfg.optim.lr
+
+
+def _point(g: GroupResult) -> ScanPoint:
+    done = [r for r in g.runs if r.status == "done" and r.best]
+    return ScanPoint(alpha_of(g), g.group.name, len(done), g.loss.mean,
+                     sum(r.best[1] for r in done) / len(done))
+
+
+def scan_cells(rep: Report) -> list[ScanCell]:
+    """Every (family, width, lr) with finished runs at two or more alphas."""
+    found: dict[tuple[str, int, float], dict[float, GroupResult]] = {}
+    for g in rep.groups:
+        if g.loss.n and any(r.status == "done" and r.best for r in g.runs):
+            found.setdefault(_key(g), {}).setdefault(round(alpha_of(g), 6), g)
+    return [ScanCell(fam, width, lr, tuple(_point(g) for _, g in sorted(by.items())))
+            for (fam, width, lr), by in sorted(found.items()) if len(by) >= 2]
+
+
+def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
+    """Each scanned family at its best alpha against the reference family's best at the same
+    width and learning rate, paired by seed; by family, then width."""
+    fam = rep.baseline.group.family
+    groups = {g.group.name: g for g in rep.groups}
+    refs = {(c.width, c.lr): c for c in cells if c.family == fam}
+    out = []
+    for c in cells:
+        ref = refs.get((c.width, c.lr))
+        if c.family == fam or ref is None:
+            continue
+        w = setting_gap(groups[c.best.group], groups[ref.best.group], 0)  # axis 0: the width
+        if w is not None:
+            out.append(TunedGap(c, ref, w))
+    return sorted(out, key=lambda t: (t.cell.family, t.cell.width, t.cell.lr))
