@@ -130,6 +130,7 @@ def build_record(ckpt, tok: Tokenizer, opts: DownstreamOptions, wheel: Path,
 def evaluate(path: str | Path, opts: DownstreamOptions, log: Callable[[str], None] = print
              ) -> Evaluation:
     """Score the checkpoint at `path` (a run or checkpoint folder) on `opts.tasks`."""
+    # the run-folder layer loads torch and the model: paid only when a checkpoint is scored
     from qkvlab.run.device import resolve_device
     from qkvlab.run.load import load_model, run_tokenizer
 
