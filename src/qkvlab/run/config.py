@@ -37,6 +37,8 @@ EMBEDDED_SOURCE = "shakespeare"
 # inside allowed), never quotes, brackets, braces, '=', '#', backslashes or control characters
 BARE_WORD = re.compile(r"[^\s\"'\[\]{}=#\\][^\"'\[\]{}=#\\\x00-\x1f\x7f]*")
 RUN_NAME = re.compile(r"[A-Za-z0-9_+-][A-Za-z0-9._+-]*")
+# a W&B project or entity name: W&B refuses these characters in one
+WANDB_NAME = re.compile(r"[^/\\#?%:\s]{1,128}")
 # train.seed: torch.manual_seed takes [-2**63, 2**64) and a saved config.toml holds a TOML
 # (64-bit signed) integer, so a seed is in [0, 2**63 - 1]
 SEED_MAX = (1 << 63) - 1
@@ -126,6 +128,11 @@ class TrainConfig:
     max_nonfinite: int = 5  # consecutive non-finite steps before giving up
     peak_flops: float | None = None  # for MFU; None: known GPU table, else measured once
     tensorboard: bool = True  # write tb/ events when tensorboard is installed
+    # log the same scalars, the config and the run folder's name to Weights & Biases (the
+    # wandb extra; train/wandb_log.py): offline without an API key, never in training's way
+    wandb: bool = False
+    wandb_project: str = "qkvlab"
+    wandb_entity: str | None = None  # None: the API key's default entity
     # under torchrun: "ddp" replicates the model, "fsdp" shards it (FSDP2) when it does not fit
     parallel: str = "ddp"
     # "clm": next-token prediction; "mlm": BERT-style masked tokens (needs model.causal = false;
@@ -152,6 +159,11 @@ class TrainConfig:
                 f"invalid config: train.peak_flops must be > 0 or unset, got {self.peak_flops}")
         require(0 < self.mlm_prob < 1,
                 f"invalid config: train.mlm_prob must be in (0, 1), got {self.mlm_prob}")
+        for name in ("wandb_project", "wandb_entity"):
+            value = getattr(self, name)
+            require(value is None or bool(WANDB_NAME.fullmatch(value)),
+                    f"invalid config: train.{name} must be 1 to 128 characters without "
+                    f"/ \\ # ? % : or spaces, got {shown(value)}")
 
 
 @dataclass
@@ -407,6 +419,7 @@ RESUME_HARMLESS = frozenset({
     "train.max_steps", "train.eval_interval", "train.eval_windows", "train.eval_batch_size",
     "train.log_interval", "train.ckpt_interval", "train.keep_last", "train.compile",
     "train.device", "train.max_nonfinite", "train.peak_flops", "train.tensorboard",
+    "train.wandb", "train.wandb_project", "train.wandb_entity",
     # DDP vs FSDP is how processes share the work, not what they compute; the world size is
     # not in the config at all: the global batch is the same for any number of processes
     "train.parallel",

@@ -9,6 +9,8 @@
         .lock                held while a process trains in the folder (run/lock.py)
         tokenizer/           meta.json and the tokenizer tables, so sampling needs no data dir
         tb/                  TensorBoard events (train.tensorboard)
+        wandb/               W&B's own files: offline-run-*/ or run-*/ per session (train.wandb)
+        wandb-run.json       the W&B run id, so a resumed run logs into the same W&B run
         latest               the name of the newest ckpt-* folder
         ckpt-NNNNNNN/        checkpoints (run/checkpoint.py for what is inside)
         best/                the checkpoint with the lowest val loss so far
@@ -34,6 +36,8 @@ LOCK_FILE = ".lock"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_META = "meta.json"
 TB_DIR = "tb"
+WANDB_DIR = "wandb"  # wandb.init(dir=RUN_DIR) puts its files here; the name is W&B's
+WANDB_RUN_FILE = "wandb-run.json"  # {"id": ..., "project": ..., "entity": ...}
 LATEST_FILE = "latest"
 BEST_DIR = "best"
 DOWNSTREAM_DIR = "downstream"

@@ -9,6 +9,7 @@ argument, so each can be called on its own in a test.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from qkvlab.train.checkpointer import Checkpointer
 from qkvlab.train.loop_state import LoopState, Throughput
 from qkvlab.train.optim import build_optimizer
 from qkvlab.train.progress import Reporter, open_tensorboard
+from qkvlab.train.wandb_log import WandbLog, open_wandb
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Session:
     # opened by open_outputs, closed by close_outputs
     metrics: Any = None
     tb: Any = None
+    wandb: WandbLog | None = None
     reporter: Reporter | None = None
 
     @property
@@ -215,11 +218,13 @@ def announce(s: Session) -> None:
 
 
 def open_outputs(s: Session) -> None:
-    """metrics.jsonl (cut back to the resumed step), TensorBoard and the progress display."""
+    """metrics.jsonl (cut back to the resumed step), TensorBoard, W&B and the progress display."""
     tc = s.cfg.train
     resumed = s.start_step if s.ckpt is not None else None
     s.metrics = MetricsLog(s.run_dir / METRICS_FILE, resumed) if s.ctx.is_main else NullLog()
     s.tb = open_tensorboard(s.run_dir, resumed) if tc.tensorboard and s.ctx.is_main else None
+    s.wandb = open_wandb(s.cfg, s.run_dir, resumed is not None, s.quiet, s.say) \
+        if tc.wandb and s.ctx.is_main else None
     s.reporter = Reporter(tc.max_steps, s.start_step, s.quiet)
 
 
@@ -230,3 +235,7 @@ def close_outputs(s: Session) -> None:
         s.metrics.close()
     if s.tb is not None:
         s.tb.close()
+    if s.wandb is not None:
+        # called from the trainer's `finally`: an exception on its way out marks the W&B run
+        # failed
+        s.wandb.close(failed=sys.exc_info()[0] is not None)

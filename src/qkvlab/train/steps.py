@@ -1,6 +1,7 @@
 """The steps of the training loop, each a plain function of the session (train/session.py).
 
-`train_step` is one optimizer step; `show_step` puts a step on the display and TensorBoard;
+`train_step` is one optimizer step; `show_step` puts a step on the display, TensorBoard and
+W&B (`log_scalar`);
 `evaluate` measures the fixed validation windows; `keep_best` writes best/ when an eval beats
 the earlier ones; `save` writes a regular checkpoint; `check_divergence` stops a run that
 keeps failing; `summary` is what a session reports. What they judge and remember between
@@ -69,16 +70,22 @@ def train_step(s: Session, step: int) -> dict[str, Any]:
 
 
 def show_step(s: Session, done: int, rec: dict[str, Any], logged: bool) -> None:
-    """Step `done` on the progress display; a logged one also gets its MFU and TensorBoard."""
+    """Step `done` on the progress display; a logged one also gets its MFU and its scalars."""
     if logged:
         rec["mfu"] = mfu(s.fpt, rec["tokens_per_s"], s.peak)
         s.clock.new_window()
-        if s.tb is not None:
-            for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
-                if rec.get(key) is not None:
-                    s.tb.add_scalar(f"train/{key}", rec[key], done)
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+            if rec.get(key) is not None:
+                log_scalar(s, f"train/{key}", rec[key], done)
     max_steps = s.cfg.train.max_steps
     s.reporter.step(done, max_steps, rec, s.clock.eta(max_steps - done), logged)
+
+
+def log_scalar(s: Session, tag: str, value: float, step: int) -> None:
+    """One scalar into TensorBoard and W&B, those of them that are open: same tag, same step."""
+    for sink in (s.tb, s.wandb):
+        if sink is not None:
+            sink.add_scalar(tag, value, step)
 
 
 # ---- evaluation and checkpoints -----------------------------------------------------------
@@ -93,15 +100,14 @@ def val_loss(s: Session, rec: dict[str, Any]) -> float:
 
 
 def evaluate(s: Session, step: int, rec: dict[str, Any]) -> float:
-    """The val loss of the weights after `step`: into `rec`, the display and TensorBoard."""
+    """The val loss of the weights after `step`: into `rec`, the display and the scalars."""
     val = val_loss(s, rec)
     rec["val_loss"], rec["val_ppl"] = val, perplexity(val)
     s.st.measured(step, val)
     ppl = perplexity(val)
     s.reporter.line(f"step {step} | val loss {val:.4f} | val ppl "
                     f"{ppl if ppl is not None else math.nan:.2f}")
-    if s.tb is not None:
-        s.tb.add_scalar("val/loss", val, step)
+    log_scalar(s, "val/loss", val, step)
     return val
 
 

@@ -38,6 +38,7 @@ from qkvlab.train.steps import (
     train_step,
     val_loss,
 )
+from qkvlab.train.wandb_log import drop_outside_links
 
 
 def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[str, Any]:
@@ -51,7 +52,9 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     # refuse an absurd config before anything is allocated, locked or written
     guard.train_memory_check(cfg, resolve_device(cfg.train.device))
     # every file of the run is written in place: a link out of the folder would be written
-    # through (metrics.jsonl, tokenizer/, tb/, ...)
+    # through (metrics.jsonl, tokenizer/, tb/, ...); W&B's own such links, left by a session
+    # killed while wandb.init ran, are removed first
+    drop_outside_links(run_dir)
     check_tree(run_dir)
     # under torchrun every process runs this; rank 0 alone holds the lock and writes files
     with distributed.session(resolve_device(cfg.train.device)) as ctx, \
