@@ -201,12 +201,13 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
         left.plot([p.alpha for p in c.points], [p.final for p in c.points], marker="o",
                   ls=styles[c.width], color=colors[c.family], label=f"{c.family} d {c.width}{lr}")
         left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
-    for fam in fams:
+    for i, fam in enumerate(fams):
+        nudge = 1 + 0.03 * i  # families at the same best alpha stay visible side by side
         mine = sorted((c for c in cells if c.family == fam), key=lambda c: c.width)
-        right.plot([c.width for c in mine], [c.best.alpha for c in mine], color=colors[fam],
-                   label=fam)
+        right.plot([c.width * nudge for c in mine], [c.best.alpha for c in mine],
+                   color=colors[fam], label=fam)
         for c in mine:
-            right.plot([c.width], [c.best.alpha], marker="o", color=colors[fam],
+            right.plot([c.width * nudge], [c.best.alpha], marker="o", color=colors[fam],
                        mfc="none" if c.edge else colors[fam])
     alphas = sorted({p.alpha for c in cells for p in c.points})
     for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):
