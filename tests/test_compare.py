@@ -11,14 +11,15 @@ from qkvlab.run.metrics import read_metrics
 
 
 @pytest.mark.slow
-def test_compare_trains_three_variants_and_reports(tmp_path, monkeypatch, capsys):
+def test_compare_trains_four_variants_and_reports(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the preset's data dir is relative: prepare it here
     out = tmp_path / "cmp"
     args = ["compare", "--steps", "4", "--out", str(out), "--set", "train.eval_windows=8",
             "--set", "train.eval_interval=2", "--set", "train.peak_flops=1e12"]
     assert main(args) == 0
     rows = json.loads((out / "compare.json").read_text())
-    assert [r["variant"] for r in rows] == ["baseline", "q-identity", "q-identity-wide"]
+    assert [r["variant"] for r in rows] == ["baseline", "q-identity-standard",
+                                            "q-identity-standard-wide", "q-identity"]
     assert (out / "compare.png").stat().st_size > 10_000
     assert "| q-identity |" in (out / "compare.md").read_text()
 
@@ -28,16 +29,18 @@ def test_compare_trains_three_variants_and_reports(tmp_path, monkeypatch, capsys
         assert row["final_val_loss"] == vals[-1] and row["steps"] == 4
         cfg = load_config(str(out / row["variant"] / "config.toml"))
         assert row["non_embedding"] == count_params(cfg.model).non_embedding
-    base, red, wide = rows
-    assert red["non_embedding"] < base["non_embedding"] == wide["non_embedding"]
-    assert red["weight_decay"] == 2**-5 and base["weight_decay"] == 0.1
-    assert red["attn_scale"] == pytest.approx(base["attn_scale"] / 2)
+    base, red, wide, paper = rows
+    assert red["non_embedding"] == paper["non_embedding"] < base["non_embedding"] \
+        == wide["non_embedding"]
+    assert red["weight_decay"] == paper["weight_decay"] == 2**-5 and base["weight_decay"] == 0.1
+    assert red["attn_scale"] == wide["attn_scale"] == base["attn_scale"]
+    assert paper["attn_scale"] == pytest.approx(base["attn_scale"] / 2)
     assert red["delta_vs_baseline"] == pytest.approx(red["final_val_loss"] - base["final_val_loss"])
 
     # a second call reuses the finished runs instead of training again
     capsys.readouterr()
     assert main(args) == 0
-    assert capsys.readouterr().out.count("finished earlier") == 3
+    assert capsys.readouterr().out.count("finished earlier") == 4
 
 
 def test_compare_rejects_unknown_preset(capsys):

@@ -63,14 +63,21 @@ def test_a_rules_projection_cannot_be_set_for_every_variant():
 def test_compare_configs_carry_the_users_keys(tmp_path):
     overrides = ["model.attn_scale=standard", "optim.weight_decay=0.07", "train.max_steps=3"]
     variants = variant_configs(load_config(BASE, overrides), overrides, tmp_path)
-    assert [name for name, _, _ in variants] == ["baseline", "q-identity", "q-identity-wide"]
+    assert [name for name, _, _ in variants] == ["baseline", "q-identity-standard",
+                                                 "q-identity-standard-wide", "q-identity"]
     for name, what, cfg in variants:
         assert cfg.model.attn_scale == "standard" and cfg.optim.weight_decay == 0.07
         assert cfg.run_dir == tmp_path / name and "weight decay 0.07" in what
-    # without them, the paper's recipe, as before
-    plain = {n: c for n, _, c in variant_configs(load_config(BASE), [], tmp_path)}
-    assert plain["q-identity"].model.scale == plain["baseline"].model.scale / 2
-    assert plain["q-identity-wide"].optim.weight_decay == REDUCED_WEIGHT_DECAY
+    # without them: W_Q = I at the standard scale, and the paper's recipe (halved) labelled
+    plain = {n: (w, c) for n, w, c in variant_configs(load_config(BASE), [], tmp_path)}
+    base_scale = plain["baseline"][1].model.scale
+    assert plain["q-identity"][1].model.scale == base_scale / 2
+    assert "the paper's recipe" in plain["q-identity"][0]
+    for name in ("q-identity-standard", "q-identity-standard-wide"):
+        what, cfg = plain[name]
+        assert cfg.model.scale == base_scale and cfg.model.projection == "q-identity"
+        assert cfg.optim.weight_decay == REDUCED_WEIGHT_DECAY
+        assert f"attn scale {base_scale:.4g}, weight decay 0.03125" in what
 
 
 def tiny_compare_args(data_dir: Path, out: Path, *more: str) -> list[str]:
@@ -86,7 +93,7 @@ def tiny_compare_args(data_dir: Path, out: Path, *more: str) -> list[str]:
 def test_compare_cli_trains_every_variant_at_the_users_scale(data_dir, tmp_path):
     out = tmp_path / "cmp"
     assert main(tiny_compare_args(data_dir, out, "model.attn_scale=standard")) == 0
-    for name in ("baseline", "q-identity", "q-identity-wide"):
+    for name in ("baseline", "q-identity-standard", "q-identity-standard-wide", "q-identity"):
         text = (out / name / "config.toml").read_text()
         model = tomllib.loads(text)["model"]
         assert model["attn_scale"] == "standard", name
@@ -99,7 +106,8 @@ def test_compare_cli_trains_every_variant_at_the_users_scale(data_dir, tmp_path)
 def test_compare_cli_refuses_a_projection_for_every_variant(data_dir, tmp_path, capsys):
     err = refused(capsys, tiny_compare_args(data_dir, tmp_path / "cmp",
                                             "model.projection=k-identity"))
-    assert "model.projection" in err and "q-identity, q-identity-wide" in err
+    assert "model.projection" in err
+    assert "q-identity-standard, q-identity-standard-wide, q-identity" in err
     assert not (tmp_path / "cmp").exists()  # refused before anything trained
 
 

@@ -1,6 +1,7 @@
 """`qkvlab compare`: the paper's comparison at laptop scale, end to end.
 
-The command (qkvlab.commands.compare) trains baseline, W_Q = I and W_Q = I with the wider MLP
+The command (qkvlab.commands.compare) trains baseline, W_Q = I and W_Q = I with the wider MLP at
+the standard scale, and W_Q = I with the paper's recipe (model.variants.COMPARE_RULES)
 (same data, same seed, same fixed validation windows); this module summarises their runs into a
 table and plots the validation curves. Finished runs are reused and interrupted ones resumed, so
 the command can be re-run after a kill.

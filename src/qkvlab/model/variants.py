@@ -1,9 +1,10 @@
 """The paper's model variants (docs/paper.md section 5) and the rules that derive them from a base.
 
 The rules, stated once, in RULE_TABLE: W_Q = I trains at the "paper" attention scale (halved)
-with weight decay 2^-5 instead of 0.1; "reallocated" moves the d^2 saved per layer into the
-MLP (hidden + d/2, i.e. 4d -> 4.5d). A rule *sets* some keys whatever the base says (its
-`settings` and weight decay) and *derives* others from the base's (an MLP or a width).
+with weight decay 2^-5 instead of 0.1 (`qkvlab compare` also at the standard scale);
+"reallocated" moves the d^2 saved per layer into the MLP (hidden + d/2, i.e. 4d -> 4.5d). A
+rule *sets* some keys whatever the base says (its `settings` and weight decay) and *derives*
+others from the base's (an MLP or a width).
 """
 
 from __future__ import annotations
@@ -77,6 +78,9 @@ class Rule:
 
 
 W_Q_IDENTITY: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "paper"}
+# W_Q = I at the standard 1/sqrt(d_k): what `qkvlab compare` runs, the better of the scales
+# measured at its shape (spec compare-quick-scale, docs/results/README.md)
+W_Q_IDENTITY_STANDARD: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "standard"}
 
 # The names are those of `compare_variants` and `paper_variants` (applied to the paper's base
 # they give exactly its five variants), plus "nonlinear-q" (docs/paper.md section 6: Q(X) =
@@ -84,15 +88,22 @@ W_Q_IDENTITY: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "pa
 # best nonlinear-query run).
 RULE_TABLE: dict[str, Rule] = {
     "baseline": Rule("W_Q, W_K, W_V", BASELINE_WEIGHT_DECAY),
-    "q-identity": Rule("W_Q = I", REDUCED_WEIGHT_DECAY, W_Q_IDENTITY),
+    "q-identity": Rule("W_Q = I, the paper's recipe", REDUCED_WEIGHT_DECAY, W_Q_IDENTITY),
     "q-identity-wide": Rule("W_Q = I, MLP + d/2", REDUCED_WEIGHT_DECAY, W_Q_IDENTITY, wider_mlp),
+    "q-identity-standard": Rule("W_Q = I, standard scale", REDUCED_WEIGHT_DECAY,
+                                W_Q_IDENTITY_STANDARD),
+    "q-identity-standard-wide": Rule("W_Q = I, standard scale, MLP + d/2", REDUCED_WEIGHT_DECAY,
+                                     W_Q_IDENTITY_STANDARD, wider_mlp),
     "smaller-mlp": Rule("control: W_Q, MLP - d/2", BASELINE_WEIGHT_DECAY, shape=smaller_mlp),
     "narrower": Rule("control: W_Q, head size - 2", BASELINE_WEIGHT_DECAY, shape=narrower),
     "nonlinear-q": Rule("Q = (X + f(X)) / 2", BASELINE_WEIGHT_DECAY,
                         {"projection": "nonlinear-q", "attn_scale": "paper"}),
 }
 RULES: tuple[str, ...] = tuple(RULE_TABLE)
-COMPARE_RULES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide")
+# the main job: W_Q = I (and its wider MLP) at the scale measured best at compare's shape, and
+# the paper's exact recipe (halved scale) beside them, labelled
+COMPARE_RULES: tuple[str, ...] = ("baseline", "q-identity-standard", "q-identity-standard-wide",
+                                  "q-identity")
 
 
 def rule_named(rule: str) -> Rule:
