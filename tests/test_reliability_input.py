@@ -50,7 +50,7 @@ def test_one_signal_stops_compare_without_a_table(tmp_path, monkeypatch, capsys,
     monkeypatch.chdir(tmp_path)
     assert main(args) == 0  # the same command resumes and finishes
     rows = json.loads((out / "compare.json").read_text())
-    assert [r["steps"] for r in rows] == [6, 6, 6]
+    assert [r["steps"] for r in rows] == [6, 6, 6, 6]
 
 
 def test_compare_does_not_take_a_stopped_run_for_a_finished_one(tmp_path, monkeypatch, capsys):
