@@ -249,3 +249,32 @@ grid = { attn_scale = [0.1, 0.7] }
     assert "## The attention scale" in text and "Each arm at its own best alpha" in text
     assert (rep / "scale_scan.png").stat().st_size > 5_000
     assert (rep / "tuned_gap_vs_width.png").stat().st_size > 5_000
+
+
+def test_a_scan_picks_each_best_alpha_on_the_seeds_all_its_alphas_share(tmp_path, data_dir):
+    """Seeds added to some alphas later (stage 2) measure the best alpha; they do not pick it."""
+    import shutil
+
+    from qkvlab.cli import main
+
+    data, _, _ = sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "qid-a"
+family = "qid"
+rule = "q-identity"
+grid = { attn_scale = [0.1, 0.7, 2.0] }
+""")
+    runs = {(r["group"], r["seed"]): r["final_val_loss"] for r in data["runs"]}
+    qid = [g for g, s in runs if s == 1 and g.startswith("qid-a")]
+    shutil.rmtree(tmp_path / "sw" / qid[0] / "seed-2")  # one alpha lacks seed 2
+    assert main(["report", str(tmp_path / "sw"), "--out", str(tmp_path / "rep3")]) == 0
+    again = json.loads((tmp_path / "rep3" / "report.json").read_text())
+    cell = next(c for c in again["scale_scan"] if c["family"] == "qid")
+    by_seed1 = min(qid, key=lambda g: runs[(g, 1)])
+    assert [p["alpha"] for p in cell["points"] if p["group"] == by_seed1] == [cell["best_alpha"]]
+    for p in cell["points"]:
+        assert p["choice"] == pytest.approx(runs[(p["group"], 1)])
+        two = p["group"] != qid[0]
+        assert p["seeds"] == (2 if two else 1)
+        want = (runs[(p["group"], 1)] + runs[(p["group"], 2)]) / 2 if two else runs[(p["group"], 1)]
+        assert p["final"] == pytest.approx(want)

@@ -5,10 +5,12 @@ alpha is the logit scale in units of the standard one, alpha = scale * sqrt(d_k)
 the paper's halved scale for W_Q = I: 0.5), read from each group's resolved config, so rules
 and numbers mix. A cell is one family at one width and learning rate; a family scans alpha there
 when it has two or more alphas with finished runs. Each family's best alpha is the one with the
-lowest mean final validation loss; the tuned gap pairs (by seed) the best group of each family
-with the reference family's best group at the same width and learning rate: the comparison of
-two arms each at its own scale. The best alpha is picked on these same runs, which flatters each
-side a little; a best alpha at the end of its grid means the optimum may lie beyond it.
+lowest mean final validation loss over the seeds every alpha of the cell finished (the scan's
+seeds), so seeds added later to a few alphas measure the choice without changing it. The tuned
+gap pairs (by seed) the best group of each family with the reference family's best group at the
+same width and learning rate: the comparison of two arms each at its own scale. The best alpha is
+picked on the scan's runs, which flatters each side a little; a best alpha at the end of its grid
+means the optimum may lie beyond it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qkvlab.experiments.results import GroupResult, Report, SettingGap, setting_gap
+from qkvlab.experiments.runs import RunData
 
 
 def alpha_of(g: GroupResult) -> float:
@@ -33,6 +36,7 @@ class ScanPoint:
     seeds: int
     final: float  # mean final validation loss over the seeds that finished
     best: float  # mean of each run's lowest validation loss
+    choice: float  # mean final validation loss over the cell's shared seeds: picks the best
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class ScanCell:
 
     @property
     def best(self) -> ScanPoint:
-        return min(self.points, key=lambda p: p.final)
+        return min(self.points, key=lambda p: p.choice)
 
     @property
     def edge(self) -> bool:
@@ -79,20 +83,33 @@ def _key(g: GroupResult) -> tuple[str, int, float]:
     return g.group.family, cfg.model.n_embd, cfg.optim.lr
 
 
-def _point(g: GroupResult) -> ScanPoint:
-    done = [r for r in g.runs if r.status == "done" and r.best]
+def _done(g: GroupResult) -> list[RunData]:
+    return [r for r in g.runs if r.status == "done" and r.best and r.final_loss is not None]
+
+
+def _point(g: GroupResult, shared: set[int]) -> ScanPoint:
+    done = _done(g)
+    chosen = [r.final_loss for r in done if r.seed in shared]
     return ScanPoint(alpha_of(g), g.group.name, len(done), g.loss.mean,
-                     sum(r.best[1] for r in done) / len(done))
+                     sum(r.best[1] for r in done) / len(done), sum(chosen) / len(chosen))
+
+
+def _cell(key: tuple[str, int, float], by_alpha: dict[float, GroupResult]) -> ScanCell | None:
+    groups = [g for _, g in sorted(by_alpha.items())]
+    shared = set.intersection(*({r.seed for r in _done(g)} for g in groups))
+    if len(groups) < 2 or not shared:
+        return None
+    return ScanCell(*key, tuple(_point(g, shared) for g in groups))
 
 
 def scan_cells(rep: Report) -> list[ScanCell]:
-    """Every (family, width, lr) with finished runs at two or more alphas."""
+    """Every (family, width, lr) with finished runs at two or more alphas sharing a seed."""
     found: dict[tuple[str, int, float], dict[float, GroupResult]] = {}
     for g in rep.groups:
-        if g.loss.n and any(r.status == "done" and r.best for r in g.runs):
+        if g.loss.n and _done(g):
             found.setdefault(_key(g), {}).setdefault(round(alpha_of(g), 6), g)
-    return [ScanCell(fam, width, lr, tuple(_point(g) for _, g in sorted(by.items())))
-            for (fam, width, lr), by in sorted(found.items()) if len(by) >= 2]
+    cells = (_cell(key, by) for key, by in sorted(found.items()))
+    return [c for c in cells if c is not None]
 
 
 def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
