@@ -322,6 +322,28 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     assert main(["archive", str(tmp_path), str(tmp_path / "x")]) == 2  # not a sweep folder
 
 
+def test_archiving_two_sweeps_of_one_spec_merges_their_records(data_dir, tmp_path):
+    """Runs of one grid trained in two places (a CPU, a GPU machine) end in one archive that
+    keeps both launches and counts every run as done."""
+    spec = write_spec(tmp_path / "s", data_dir)
+    one, two, arch = tmp_path / "one", tmp_path / "two", tmp_path / "arch"
+    for out, only in ((one, "baseline"), (two, "q-identity")):
+        assert main(["sweep", str(spec), "--out", str(out), "--only", only, "--seeds", "1"]) == 0
+    assert main(["archive", str(one), str(arch)]) == 0
+    assert main(["archive", str(two), str(arch)]) == 0
+    record = json.loads((arch / "sweep.json").read_text())
+    launched = [s["command"] for s in record["sessions"]]
+    assert len(launched) == 2 and "--only baseline" in launched[0]
+    assert "--only q-identity" in launched[1]
+    assert set(record["groups"]) == {"baseline", "q-identity"}
+    assert main(["archive", str(two), str(arch)]) == 0  # again: nothing doubled
+    assert json.loads((arch / "sweep.json").read_text())["sessions"] == record["sessions"]
+    assert main(["report", str(arch), "--out", str(tmp_path / "rep")]) == 0
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
+    assert {(r["group"], r["status"]) for r in rows if r["seed"] == 1} == {
+        ("baseline", "done"), ("q-identity", "done")}
+
+
 @pytest.mark.slow
 def test_reuse_copies_finished_runs_of_the_same_config(data_dir, tmp_path, capsys):
     first = tmp_path / "first"

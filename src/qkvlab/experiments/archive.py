@@ -5,18 +5,22 @@ sweep's own files and each run's config, metrics, summary and (after `qkvlab rep
 --per-window`) its per-window losses. `qkvlab report DEST --per-window` gives the same report
 from the copy, and `qkvlab sweep DEST` sees its finished runs as done. With `finished_only`
 (`--finished`) a sweep still training is archived without its unfinished runs, so a grid that
-takes days can commit each run's records as it completes.
+takes days can commit each run's records as it completes. Into an archive of the same spec (runs
+of one grid trained on two machines, say) the sweep record is merged: the groups of both, and
+every session of both, so the archive keeps how each of its runs was launched.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE
 from qkvlab.experiments.sweep import SWEEP_FILE
-from qkvlab.fsutil import check_inside
+from qkvlab.fsutil import check_inside, write_text_atomic
 from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.records import is_finished, read_json_record
@@ -33,6 +37,7 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
         raise QkvlabError(f"{src} is not a sweep folder (no {SWEEP_FILE}): pass the folder "
                           "`qkvlab sweep` wrote")
     _check_destination(src, dest)
+    merged = _merged_record(src, dest)
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
     kept = [r for r in runs if _finished(r)] if finished_only else runs
     copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()]
@@ -44,7 +49,26 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
     for record, copy in copies:
         copy.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(record, copy)
+    if merged is not None:
+        write_text_atomic(dest / SWEEP_FILE, json.dumps(merged, indent=1) + "\n")
     return len(kept), len(runs) - len(kept)
+
+
+def _merged_record(src: Path, dest: Path) -> dict[str, Any] | None:
+    """The sweep record of an archive that already holds one (of the same spec): src's record
+    with dest's groups that src lacks and dest's sessions before src's new ones; None when
+    dest has none."""
+    theirs = read_json_record(dest / SWEEP_FILE)
+    if theirs is None:
+        return None
+    mine = dict(read_json_record(src / SWEEP_FILE) or {})
+    mine["groups"] = {**theirs.get("groups", {}), **mine.get("groups", {})}
+    old = theirs.get("sessions", [])
+    mine["sessions"] = old + [s for s in mine.get("sessions", []) if s not in old]
+    created = [c for c in (theirs.get("created"), mine.get("created")) if c]
+    if created:
+        mine["created"] = min(created)  # ISO 8601 times: the earlier sorts first
+    return mine
 
 
 def _check_destination(src: Path, dest: Path) -> None:
