@@ -247,6 +247,9 @@ grid = { attn_scale = [0.1, 0.7] }
     assert t["alpha"] == cells[("qid", 32)]["best_alpha"]
     assert t["reference_alpha"] == cells[("baseline", 32)]["best_alpha"]
     assert "## The attention scale" in text and "Each arm at its own best alpha" in text
+    # several baseline groups per width (the scan): the scan pairs them, not the width or lr trend
+    assert data["width_gaps"] == [] and data["lr_tuned_gaps"] == []
+    assert "## Each family at its own best lr" not in text
     assert (rep / "scale_scan.png").stat().st_size > 5_000
     assert (rep / "tuned_gap_vs_width.png").stat().st_size > 5_000
 

@@ -240,10 +240,15 @@ def _settings(g: GroupResult) -> tuple[float, ...]:
 def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     """When the reference's family spans two or more values on `axis` (a width or learning-rate
     trend), each other group paired with the reference-family group at its own settings on every
-    trend axis; else nothing."""
+    trend axis; else nothing. A setting where the reference family has several groups (an
+    attention-scale scan, which experiments/scale_scan.py compares) pairs nothing."""
     fam = rep.baseline.group.family
     at = TREND_AXES.index(axis)
-    refs = {_settings(g): g for g in rep.groups if g.group.family == fam}
+    found: dict[tuple[float, ...], list[GroupResult]] = {}
+    for g in rep.groups:
+        if g.group.family == fam:
+            found.setdefault(_settings(g), []).append(g)
+    refs = {k: gs[0] for k, gs in found.items() if len(gs) == 1}
     if len({k[at] for k in refs}) < 2:
         return []
     gaps = [setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
@@ -255,7 +260,8 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     """On a hyperparameter axis (the learning rate), each family at its own best value (lowest
     mean final validation loss) against the reference's family at its best, the other trend
     settings equal: is the gap a mismatch of that hyperparameter? Empty unless the reference
-    family and another family both span two or more values."""
+    family and another family both span two or more values (groups that differ elsewhere, an
+    attention-scale scan, compete with their value's other groups: the best of both settings)."""
     fam, at = rep.baseline.group.family, TREND_AXES.index(axis)
     if not axis.tuned:
         return []
@@ -267,7 +273,8 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     gaps = []
     for (family, rest), gs in cells.items():
         refs = cells.get((fam, rest), [])
-        if family == fam or len(gs) < 2 or len(refs) < 2:
+        spans = [{_settings(g)[at] for g in c} for c in (gs, refs)]
+        if family == fam or min(len(v) for v in spans) < 2:
             continue
         best, ref = (min(c, key=lambda g: g.loss.mean) for c in (gs, refs))
         w = setting_gap(best, ref, at)
