@@ -14,6 +14,7 @@
 #   qkvlab report docs/results/sweeps/english-scale --out docs/results/english-scale
 #
 # JOBS (default 6) runs train at once on the one GPU: small models leave it mostly idle alone.
+# WIDTHS (default "512 768") picks the widths; the archive holds every finished run either way.
 # SMOKE=1 runs two of the runs for 4 steps in fp32 (a check of the script on any machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +49,9 @@ export QKVLAB_CACHE=${QKVLAB_CACHE:-$PWD/$STAGE/cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 SPEC=english-scale
-ONLY=baseline-d512,q-identity-d512,baseline-d768,q-identity-d768
+WIDTHS=${WIDTHS:-512 768}  # one width a call, where one call cannot hold both
+ONLY=$(for d in $WIDTHS; do printf 'baseline-d%s,q-identity-d%s,' "$d" "$d"; done)
+ONLY=${ONLY%,}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then  # the variants' own `set` names bf16: a copy of the spec in fp32
     SPEC=/tmp/english-scale-smoke.toml
