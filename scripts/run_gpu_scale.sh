@@ -15,9 +15,10 @@
 #   qkvlab report docs/results/sweeps/english-scale --out docs/results/english-scale
 #
 # JOBS (default 6) runs train at once on the one GPU: small models leave it mostly idle alone.
-# PARTS (default "d256 d512 d768 d384", in that order) picks the parts: each width's scan with
-# its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs), then the held-out d = 384
-# cells, three seeds. After each part the archive is rewritten, so a call stopped at its time
+# PARTS (default "d256 d512 d768 d384 lr128 seeds128", in that order) picks the parts: each
+# width's scan with its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs), the
+# held-out d = 384 cells (three seeds), then d = 128's learning-rate check and its three-seed
+# cells (fp32, like the CPU's: runs the committed archive holds are copied, not retrained). After each part the archive is rewritten, so a call stopped at its time
 # limit still returns what finished.
 # SMOKE=1 runs two of the runs for 4 steps in fp32 (a check of the script on any machine).
 set -euo pipefail
@@ -59,10 +60,15 @@ part_args() {  # the sweep arguments of one part of the study
                    "--only baseline-d256-unit,q-identity-d256-unit" ;;
         d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
         d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
-        *) echo "unknown part $1 (d256, d512, d768, d384)" >&2; return 2 ;;
+        lr128) echo "--only baseline-d128-lr0.5x,baseline-d128-lr2x" \
+                    "--only q-identity-d128-lr0.5x,q-identity-d128-lr2x" ;;
+        seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
+                       "--only baseline-d128.scale0.125,baseline-d128.scale1" \
+                       "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
+        *) echo "unknown part $1 (d256, d512, d768, d384, lr128, seeds128)" >&2; return 2 ;;
     esac
 }
-PARTS=${PARTS:-d256 d512 d768 d384}
+PARTS=${PARTS:-d256 d512 d768 d384 lr128 seeds128}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then  # the variants' own `set` names bf16: a copy of the spec in fp32
     SPEC=/tmp/english-scale-smoke.toml
@@ -86,8 +92,10 @@ pack() {  # the finished runs' records so far, into $OUT (what a timed-out call 
             read -r -a args <<< "$(part_args "$part")"
         fi
         echo "== $(date -u +%T) $part: qkvlab sweep $SPEC ${args[*]}"
+        # runs the committed archive holds (trained on a CPU) are copied, not trained again
         "$PY" -m qkvlab sweep "$SPEC" --out "$SWEEP" "${args[@]}" --jobs "$JOBS" \
-            "${EXTRA[@]}" || echo "sweep exit $?: packing what finished"
+            --reuse docs/results/sweeps/english-scale "${EXTRA[@]}" \
+            || echo "sweep exit $?: packing what finished"
         pack
     done
 } 2>&1 | tee "$OUT/sweep.log"
