@@ -89,7 +89,8 @@ pack() {  # the finished runs' records so far, into $OUT (what a timed-out call 
         if [ "$part" = smoke ]; then
             args=(--only baseline-d512.scale0.125,q-identity-d512-unit)
         else
-            read -r -a args <<< "$(part_args "$part")"
+            line=$(part_args "$part") || exit 2  # a misspelt part must not run the whole spec
+            read -r -a args <<< "$line"
         fi
         echo "== $(date -u +%T) $part: qkvlab sweep $SPEC ${args[*]}"
         # runs the committed archive holds (trained on a CPU) are copied, not trained again
