@@ -15,8 +15,9 @@
 #   qkvlab report docs/results/sweeps/english-scale --out docs/results/english-scale
 #
 # JOBS (default 6) runs train at once on the one GPU: small models leave it mostly idle alone.
-# PARTS (default "d256 d512 d768 d384 lr128 seeds128", in that order) picks the parts: each
-# width's scan with its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs), the
+# PARTS (default "d256 k256 d512 d768 d384 lr128 seeds128", in that order) picks the parts: each
+# width's scan with its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs; k256 is
+# W_K = I's scan there), the
 # held-out d = 384 cells (three seeds), then d = 128's learning-rate check and its three-seed
 # cells (fp32, like the CPU's: runs the committed archive holds are copied, not retrained). After each part the archive is rewritten, so a call stopped at its time
 # limit still returns what finished.
@@ -58,6 +59,7 @@ part_args() {  # the sweep arguments of one part of the study
     case $1 in
         d256) echo "--only baseline-d256,baseline-d256-alpha,q-identity-d256" \
                    "--only baseline-d256-unit,q-identity-d256-unit" ;;
+        k256) echo "--only k-identity-d256" ;;
         d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
         d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
         lr128) echo "--only baseline-d128-lr0.5x,baseline-d128-lr2x" \
@@ -65,10 +67,11 @@ part_args() {  # the sweep arguments of one part of the study
         seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
                        "--only baseline-d128.scale0.125,baseline-d128.scale1" \
                        "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
-        *) echo "unknown part $1 (d256, d512, d768, d384, lr128, seeds128)" >&2; return 2 ;;
+        *) echo "unknown part $1 (d256, k256, d512, d768, d384, lr128, seeds128)" >&2
+           return 2 ;;
     esac
 }
-PARTS=${PARTS:-d256 d512 d768 d384 lr128 seeds128}
+PARTS=${PARTS:-d256 k256 d512 d768 d384 lr128 seeds128}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then  # the variants' own `set` names bf16: a copy of the spec in fp32
     SPEC=/tmp/english-scale-smoke.toml

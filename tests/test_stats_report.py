@@ -281,3 +281,27 @@ grid = { attn_scale = [0.1, 0.7, 2.0] }
         assert p["seeds"] == (2 if two else 1)
         want = (runs[(p["group"], 1)] + runs[(p["group"], 2)]) / 2 if two else runs[(p["group"], 1)]
         assert p["final"] == pytest.approx(want)
+
+
+def test_variants_without_a_paired_seed_share_one_line_and_leave_the_paired_table(
+        tmp_path, data_dir):
+    """A scan in progress: the unfinished variants are named once, not given a row each."""
+    import shutil
+
+    from qkvlab.cli import main
+
+    sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "qid-late"
+family = "qid"
+rule = "q-identity"
+grid = { attn_scale = [0.1, 0.7] }
+""")
+    for group in ("qid-late.scale0.1", "qid-late.scale0.7"):
+        shutil.rmtree(tmp_path / "sw" / group)
+    assert main(["report", str(tmp_path / "sw"), "--out", str(tmp_path / "rep2")]) == 0
+    text = (tmp_path / "rep2" / "report.md").read_text()
+    assert ("- 2 variant(s) have no seed finished beside the baseline yet: qid-late.scale0.1, "
+            "qid-late.scale0.7.") in text
+    assert "- qid: " in text and "| qid | 2 (1, 2) |" in text
+    assert "| qid-late" not in text.split("## Paired differences")[1].split("## ")[0]

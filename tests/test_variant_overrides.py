@@ -44,6 +44,18 @@ def test_a_rule_keeps_the_users_scale_and_weight_decay():
     assert apply_rule(base, "q-identity", user).model.projection == "q-identity"
 
 
+def test_the_key_and_value_rules_remove_their_projection_and_scale_as_the_result_says():
+    import math
+
+    plain, none = base_with()
+    d_k = plain.model.d_head
+    k, v = apply_rule(plain, "k-identity", none), apply_rule(plain, "v-identity", none)
+    assert (k.model.projection, v.model.projection) == ("k-identity", "v-identity")
+    assert k.model.scale == pytest.approx(0.5 / math.sqrt(d_k))  # logits as W_Q = I's: halved
+    assert v.model.scale == pytest.approx(1 / math.sqrt(d_k))  # logits as the baseline's
+    assert k.optim.weight_decay == v.optim.weight_decay == REDUCED_WEIGHT_DECAY
+
+
 def test_sizes_are_derived_from_the_users_value():
     base, user = base_with("model.mlp_hidden=320", "model.n_embd=256")
     assert apply_rule(base, "q-identity-wide", user).model.mlp_hidden == 320 + 128

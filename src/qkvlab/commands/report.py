@@ -38,7 +38,7 @@ class ReportOptions:
 
 def run_report(opts: ReportOptions) -> int:
     """Write the report and print each variant's verdict against the reference."""
-    from qkvlab.experiments.render import verdict
+    from qkvlab.experiments.render import verdicts
     from qkvlab.experiments.report import build_report, write_report
     from qkvlab.experiments.spec import load_spec
 
@@ -50,9 +50,8 @@ def run_report(opts: ReportOptions) -> int:
                        overrides=list(opts.overrides), versus=opts.versus,
                        attention=opts.attention)
     path = write_report(rep, out, opts.command_line(out))
-    for g in rep.groups:
-        if g is not rep.baseline:
-            print(verdict(g, rep.ref))
+    for line in verdicts(rep):
+        print(line)
     print(f"report: {path}")
     return 0
 

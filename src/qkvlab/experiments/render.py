@@ -87,6 +87,20 @@ def verdict(g: GroupResult, ref: str = "the baseline") -> str:
             f"({diff}, {ci} includes 0, p = {_p(t.p)}, {t.n} seeds).")
 
 
+def verdicts(rep: Report) -> list[str]:
+    """The verdict of each variant against the reference, then one line naming those that have
+    no paired seed yet (a scan in progress has dozens)."""
+    unpaired = [g for g in rep.groups if g is not rep.baseline
+                and (g.paired is None or g.paired.mean is None)]
+    waiting = {id(g) for g in unpaired}
+    lines = [verdict(g, rep.ref) for g in rep.groups
+             if g is not rep.baseline and id(g) not in waiting]
+    if unpaired:
+        lines.append(f"{len(unpaired)} variant(s) have no seed finished beside {rep.ref} yet: "
+                     + ", ".join(g.group.name for g in unpaired) + ".")
+    return lines
+
+
 def _pm(s: Summary, fmt: str = ".4f") -> str:
     if s.mean is None:
         return "n/a"
@@ -185,9 +199,7 @@ def _findings(rep: Report) -> list[str]:
     L.append(f"{n_done} of {n_all} runs finished. {role}: **{base.group.name}**, final "
              f"validation loss {_pm(base.loss)} over {base.loss.n} seed(s).")
     L.append("")
-    for g in rep.groups:
-        if g is not base:
-            L.append(f"- {verdict(g, rep.ref)}")
+    L += [f"- {line}" for line in verdicts(rep)]
     fails = [r for r in rep.runs() if r.status == "failed"]
     if fails:
         why = ["diverged" if r.diverged else r.error[:80] for r in fails]
@@ -231,11 +243,9 @@ def _paired_table(rep: Report) -> list[str]:
         if g is base:
             continue
         t = g.paired
-        paper = paper_says(rep.spec, g, base)
-        if t is None:
-            L.append(f"| {g.group.name} | 0 | n/a | n/a | n/a | n/a | n/a | n/a | n/a | n/a | "
-                     f"n/a | {paper} |")
+        if t is None:  # listed under "What the data shows"
             continue
+        paper = paper_says(rep.spec, g, base)
         L.append(f"| {g.group.name} | {t.n} ({', '.join(map(str, g.paired_seeds))}) | "
                  f"{_f(t.mean, '+.4f')} | {_f(t.std)} | "
                  f"[{_f(t.ci_low, '+.4f')}, {_f(t.ci_high, '+.4f')}] | {_f(t.t, '.2f')} | "

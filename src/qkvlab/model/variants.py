@@ -98,6 +98,13 @@ RULE_TABLE: dict[str, Rule] = {
     "narrower": Rule("control: W_Q, head size - 2", BASELINE_WEIGHT_DECAY, shape=narrower),
     "nonlinear-q": Rule("Q = (X + f(X)) / 2", BASELINE_WEIGHT_DECAY,
                         {"projection": "nonlinear-q", "attn_scale": "paper"}),
+    # the other two projections the result removes (docs/paper.md section 1), with W_Q = I's
+    # weight decay: W_K = I scales the logits as W_Q = I does ("paper" halves it too), W_V = I
+    # leaves them as the baseline has them ("paper" is the standard scale for it)
+    "k-identity": Rule("W_K = I, scale / 2", REDUCED_WEIGHT_DECAY,
+                       {"projection": "k-identity", "attn_scale": "paper"}),
+    "v-identity": Rule("W_V = I", REDUCED_WEIGHT_DECAY,
+                       {"projection": "v-identity", "attn_scale": "paper"}),
 }
 RULES: tuple[str, ...] = tuple(RULE_TABLE)
 # the main job: W_Q = I (and its wider MLP) at the scale measured best at compare's shape, and
