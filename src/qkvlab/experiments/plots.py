@@ -154,6 +154,12 @@ def _paired_points(rep: Report, groups: list[GroupResult], key: str
     return dx, dy, lo, hi
 
 
+def _log_xlim(ax, values: list[float], pad: float = 1.3) -> None:
+    """x limits a factor `pad` beyond the settings run: with a single setting, autoscaling would
+    stretch the small nudge between its points across the whole axis."""
+    ax.set_xlim(min(values) / pad, max(values) * pad)
+
+
 def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> None:
     """The paired gap to the reference at the same setting (%, 95% interval) against the
     setting (width or learning rate), one line per family: at the end (solid) and at each
@@ -178,6 +184,7 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
     ax.set_xscale("log", base=2)
     values = sorted({w.value for w in gaps})
     ax.set_xticks(values, [f"{v:g}" for v in values])  # the settings run, not powers of 2
+    _log_xlim(ax, values)
     ax.minorticks_off()
     ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
@@ -213,6 +220,7 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
+        _log_xlim(ax, xs)
         ax.minorticks_off()
         ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
