@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tomllib
 
 import pytest
@@ -78,7 +79,8 @@ def test_the_unit_rule_starts_every_scheme_with_unit_logits(projection, d):
 def test_only_the_learned_rule_learns_and_unknown_names_list_the_rules():
     assert [r for r in SCALE_RULES if learns_scale(r)] == ["learned"]
     assert not learns_scale(0.2)
-    with pytest.raises(QkvlabError, match="'bogus' is not a number or one of paper, standard"):
+    with pytest.raises(QkvlabError, match=re.escape("'bogus' is not a number, A/sqrt(d_k) (A > 0) "
+                                                    "or one of paper, standard")):
         attention_scale("bogus", "baseline", D, DK, INIT)
 
 
@@ -218,3 +220,27 @@ def test_a_legacy_run_folder_resumes_on_sdpa(data_dir, tmp_path, monkeypatch):
     assert tomllib.loads((run / "config.toml").read_text())["model"]["attn_impl"] == "sdpa"
     save_config(again, tmp_path / "copy.toml")  # a saved config always names the kernel
     assert 'attn_impl = "sdpa"' in (tmp_path / "copy.toml").read_text()
+
+
+def test_a_scale_written_as_a_multiple_of_the_standard_one_carries_across_head_sizes():
+    """"A/sqrt(d_k)" is the scans' alpha: the same A at any head size, one spelling saved."""
+    for n_head, d_k in ((4, 32), (2, 64)):
+        cfg = ModelConfig(n_layer=1, n_head=n_head, n_embd=128, projection="q-identity",
+                          attn_scale="2.830 / sqrt(d_k)")
+        assert cfg.attn_scale == "2.83/sqrt(d_k)" and not cfg.learned_scale
+        assert cfg.scale == pytest.approx(2.83 / math.sqrt(d_k))
+        assert GPT(cfg).blocks[0].attn.scale == pytest.approx(cfg.scale)
+    assert 'attn_scale = "4/sqrt(d_k)"  # resolved: 0.5' in config_toml(
+        RunConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=128, attn_scale="4/sqrt(d_k)")))
+    for bad, fragment in (("0/sqrt(d_k)", "A/sqrt(d_k) (A > 0)"), ("4/sqrt(d)", "not a number"),
+                          ("1e9/sqrt(d_k)", "set a smaller A")):
+        with pytest.raises(QkvlabError, match=re.escape(fragment)):
+            ModelConfig(attn_scale=bad)
+
+
+def test_a_grid_over_alpha_names_its_groups_by_alpha():
+    from qkvlab.experiments.spec import group_name
+
+    assert group_name("q", {"attn_scale": "2.83/sqrt(d_k)", "lr": 0.002}) == "q.alpha2.83.lr0.002"
+    assert group_name("q", {"attn_scale": 0.25}) == "q.scale0.25"
+    assert group_name("q", {"attn_scale": "unit"}) == "q.scaleunit"

@@ -50,6 +50,7 @@ import tomli_w
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.rules import apply_rule, check_user_keys, user_keys
 from qkvlab.model.config import old_record_nulls
+from qkvlab.model.scale import alpha_of
 from qkvlab.model.variants import RULES
 from qkvlab.run.config import (
     RESUME_HARMLESS,
@@ -287,9 +288,17 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _part(key: str, value: Any) -> str:
+    alpha = alpha_of(value) if key == "attn_scale" else None
+    if alpha is not None:  # "4/sqrt(d_k)" holds a slash: .alpha4
+        return f".alpha{alpha:g}"
+    return f".{ABBREV.get(key, key)}{_fmt(value)}"
+
+
 def group_name(variant: str, point: dict[str, Any]) -> str:
-    """variant plus .<key><value> per grid key, e.g. q-identity.wd0.01.lr0.002."""
-    return variant + "".join(f".{ABBREV.get(k, k)}{_fmt(v)}" for k, v in point.items())
+    """variant plus .<key><value> per grid key, e.g. q-identity.wd0.01.lr0.002 (an attention
+    scale written A/sqrt(d_k): .alphaA)."""
+    return variant + "".join(_part(k, v) for k, v in point.items())
 
 
 def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where: str,

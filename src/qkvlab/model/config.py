@@ -13,7 +13,14 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qkvlab.errors import QkvlabError, require
-from qkvlab.model.scale import SCALE_BOUNDS, SCALE_RULES, attention_scale, learns_scale
+from qkvlab.model.scale import (
+    SCALE_BOUNDS,
+    SCALE_RULES,
+    alpha_of,
+    attention_scale,
+    canonical,
+    learns_scale,
+)
 
 PROJECTIONS: tuple[str, ...] = ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q")
 # gelu_tanh: the tanh approximation GPT-2 was trained with (Hugging Face "gelu_new").
@@ -118,7 +125,8 @@ class ModelConfig:
     share_layers: bool = False  # one block applied n_layer times (ALBERT-style)
     causal: bool = True  # False: bidirectional encoder
     projection: str = "baseline"
-    attn_scale: float | str = "paper"  # a number, or a rule of model/scale.py's SCALE_RULES
+    # a number, "A/sqrt(d_k)", or a rule of model/scale.py's SCALE_RULES
+    attn_scale: float | str = "paper"
     attn_impl: str = "auto"  # see ATTN_IMPLS
     init_std: float = 0.02
 
@@ -215,15 +223,17 @@ class ModelConfig:
         low, high = SCALE_BOUNDS
         if isinstance(value, str):
             learns_scale(value)  # refuses a name that is not a rule, listing the rules
+            object.__setattr__(self, "attn_scale", canonical(value))
+            fix = ("a smaller A" if alpha_of(value) is not None
+                   else "init_std nearer 0.02 or attn_scale to a number")
             require(low <= self.scale <= high,
                     f"attn_scale = {value} gives {self.scale:.3g} for this shape (init_std="
-                    f"{self.init_std:g}), outside [{low:g}, {high:g}]: set init_std nearer "
-                    "0.02 or attn_scale to a number")
+                    f"{self.init_std:g}), outside [{low:g}, {high:g}]: set {fix}")
             return
         number = finite_number(value)
         require(number is not None and low <= number <= high,
-                f"attn_scale must be a number in [{low:g}, {high:g}] or one of "
-                f"{', '.join(SCALE_RULES)}, got {shown(value)}")
+                f"attn_scale must be a number in [{low:g}, {high:g}], A/sqrt(d_k) or one "
+                f"of {', '.join(SCALE_RULES)}, got {shown(value)}")
         # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
         object.__setattr__(self, "attn_scale", number)
 

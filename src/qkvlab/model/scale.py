@@ -1,13 +1,15 @@
 """The attention logit scale: one table of rules and one pure function from a setting to the number.
 
-`model.attn_scale` is a number (the scale itself) or the name of a rule in SCALE_RULES
-(docs/theory.md, "The attention scale"). A rule maps (projection, d, d_k, init_std) to the
-scale that multiplies q k^T; a new rule is one entry in the table.
+`model.attn_scale` is a number (the scale itself), "A/sqrt(d_k)" (A times the standard scale:
+the alpha of the scale scans, which carries from one head size to another), or the name of a
+rule in SCALE_RULES (docs/theory.md, "The attention scale"). A rule maps (projection, d, d_k,
+init_std) to the scale that multiplies q k^T; a new rule is one entry in the table.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,9 +70,32 @@ SCALE_RULES: dict[str, ScaleRule] = {
 }
 
 
+_ALPHA_FORM = re.compile(r"([0-9.eE+-]+)/sqrt\(d_k\)")
+
+
+def alpha_of(setting: float | str) -> float | None:
+    """A of a setting written "A/sqrt(d_k)" (A a positive finite number), else None."""
+    match = _ALPHA_FORM.fullmatch(setting.replace(" ", "")) if isinstance(setting, str) else None
+    if match is None:
+        return None
+    try:
+        alpha = float(match.group(1))
+    except ValueError:
+        return None
+    return alpha if math.isfinite(alpha) and alpha > 0 else None
+
+
+def canonical(setting: float | str) -> float | str:
+    """One spelling for one setting ("4.0 / sqrt(d_k)" -> "4/sqrt(d_k)"), so that equal
+    settings hash alike in sweep fingerprints."""
+    alpha = alpha_of(setting)
+    return setting if alpha is None else f"{alpha:g}/sqrt(d_k)"
+
+
 def _rule(name: str) -> ScaleRule:
     require(name in SCALE_RULES,
-            f"attn_scale={name!r} is not a number or one of {', '.join(SCALE_RULES)}")
+            f"attn_scale={name!r} is not a number, A/sqrt(d_k) (A > 0) or one of "
+            f"{', '.join(SCALE_RULES)}")
     return SCALE_RULES[name]
 
 
@@ -78,6 +103,9 @@ def attention_scale(setting: float | str, projection: str, d: int, d_k: int,
                     init_std: float) -> float:
     """The logit scale `setting` gives a model of this shape (for a learned rule: its value
     before the per-head gains)."""
+    alpha = alpha_of(setting)
+    if alpha is not None:
+        return alpha / math.sqrt(d_k)
     if isinstance(setting, str):
         return _rule(setting).resolve(projection, d, d_k, init_std)
     return float(setting)
@@ -85,4 +113,4 @@ def attention_scale(setting: float | str, projection: str, d: int, d_k: int,
 
 def learns_scale(setting: float | str) -> bool:
     """True when `setting` adds one learnable gain per head."""
-    return isinstance(setting, str) and _rule(setting).learned
+    return isinstance(setting, str) and alpha_of(setting) is None and _rule(setting).learned
