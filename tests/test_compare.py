@@ -18,8 +18,8 @@ def test_compare_trains_four_variants_and_reports(tmp_path, monkeypatch, capsys)
             "--set", "train.eval_interval=2", "--set", "train.peak_flops=1e12"]
     assert main(args) == 0
     rows = json.loads((out / "compare.json").read_text())
-    assert [r["variant"] for r in rows] == ["baseline", "q-identity-standard",
-                                            "q-identity-standard-wide", "q-identity"]
+    assert [r["variant"] for r in rows] == ["baseline-tuned", "q-identity-tuned",
+                                            "q-identity-tuned-wide", "q-identity"]
     assert (out / "compare.png").stat().st_size > 10_000
     assert "| q-identity |" in (out / "compare.md").read_text()
 
@@ -33,8 +33,9 @@ def test_compare_trains_four_variants_and_reports(tmp_path, monkeypatch, capsys)
     assert red["non_embedding"] == paper["non_embedding"] < base["non_embedding"] \
         == wide["non_embedding"]
     assert red["weight_decay"] == paper["weight_decay"] == 2**-5 and base["weight_decay"] == 0.1
-    assert red["attn_scale"] == wide["attn_scale"] == base["attn_scale"]
-    assert paper["attn_scale"] == pytest.approx(base["attn_scale"] / 2)
+    assert red["attn_scale"] == wide["attn_scale"] == pytest.approx(2.83 / 32**0.5)
+    assert base["attn_scale"] == pytest.approx(4 / 32**0.5)  # each arm at its tuned alpha
+    assert paper["attn_scale"] == pytest.approx(0.5 / 32**0.5)  # the paper's recipe
     assert red["delta_vs_baseline"] == pytest.approx(red["final_val_loss"] - base["final_val_loss"])
 
     # a second call reuses the finished runs instead of training again

@@ -57,10 +57,10 @@ def test_reallocated_swiglu_keeps_the_parameter_count():
     base = ModelConfig(n_layer=4, n_head=4, n_embd=256, mlp="swiglu", norm="rmsnorm",
                        positions="rope")
     by_name = {v.name: v.model for v in compare_variants(base)}
-    for q_identity in ("q-identity", "q-identity-standard"):
+    for q_identity in ("q-identity", "q-identity-tuned"):
         saved = count_params(base).total - count_params(by_name[q_identity]).total
         assert saved == 4 * 256 * 256
-    wide = by_name["q-identity-standard-wide"]
+    wide = by_name["q-identity-tuned-wide"]
     gap = count_params(base).total - count_params(wide).total
     assert wide.hidden == 704 + 85 and 0 <= gap < 4 * 3 * 256
 

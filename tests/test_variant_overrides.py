@@ -6,6 +6,7 @@ projection is refused in one line naming the variants (experiments/rules.py)."""
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.compare import variant_configs
 from qkvlab.experiments.rules import apply_rule, check_user_keys, user_keys
 from qkvlab.experiments.spec import parse_spec
-from qkvlab.model.variants import REDUCED_WEIGHT_DECAY
+from qkvlab.model.scale import alpha_of
+from qkvlab.model.variants import (
+    COMPARE_RULES,
+    REDUCED_WEIGHT_DECAY,
+    TUNED_BASELINE_SCALE,
+    TUNED_Q_IDENTITY_SCALE,
+)
 from qkvlab.run.config import load_config
 
 BASE = "compare-quick"
@@ -75,21 +82,25 @@ def test_a_rules_projection_cannot_be_set_for_every_variant():
 def test_compare_configs_carry_the_users_keys(tmp_path):
     overrides = ["model.attn_scale=standard", "optim.weight_decay=0.07", "train.max_steps=3"]
     variants = variant_configs(load_config(BASE, overrides), overrides, tmp_path)
-    assert [name for name, _, _ in variants] == ["baseline", "q-identity-standard",
-                                                 "q-identity-standard-wide", "q-identity"]
+    assert [name for name, _, _ in variants] == list(COMPARE_RULES)
     for name, what, cfg in variants:
         assert cfg.model.attn_scale == "standard" and cfg.optim.weight_decay == 0.07
         assert cfg.run_dir == tmp_path / name and "weight decay 0.07" in what
-    # without them: W_Q = I at the standard scale, and the paper's recipe (halved) labelled
+    # without them: each arm at its tuned alpha / sqrt(d_k), the paper's recipe (halved) labelled
     plain = {n: (w, c) for n, w, c in variant_configs(load_config(BASE), [], tmp_path)}
-    base_scale = plain["baseline"][1].model.scale
-    assert plain["q-identity"][1].model.scale == base_scale / 2
+    standard = 1 / math.sqrt(plain["baseline-tuned"][1].model.d_head)
+    assert plain["q-identity"][1].model.scale == pytest.approx(standard / 2)
     assert "the paper's recipe" in plain["q-identity"][0]
-    for name in ("q-identity-standard", "q-identity-standard-wide"):
+    what, cfg = plain["baseline-tuned"]
+    assert cfg.model.projection == "baseline" and cfg.optim.weight_decay == 0.1
+    assert cfg.model.scale == pytest.approx(alpha_of(TUNED_BASELINE_SCALE) * standard)
+    assert f"attn scale {cfg.model.scale:.4g} ({TUNED_BASELINE_SCALE}), weight decay 0.1" in what
+    for name in ("q-identity-tuned", "q-identity-tuned-wide"):
         what, cfg = plain[name]
-        assert cfg.model.scale == base_scale and cfg.model.projection == "q-identity"
+        assert cfg.model.scale == pytest.approx(alpha_of(TUNED_Q_IDENTITY_SCALE) * standard)
+        assert cfg.model.projection == "q-identity"
         assert cfg.optim.weight_decay == REDUCED_WEIGHT_DECAY
-        assert f"attn scale {base_scale:.4g}, weight decay 0.03125" in what
+        assert f"({TUNED_Q_IDENTITY_SCALE}), weight decay 0.03125" in what
 
 
 def tiny_compare_args(data_dir: Path, out: Path, *more: str) -> list[str]:
@@ -105,7 +116,7 @@ def tiny_compare_args(data_dir: Path, out: Path, *more: str) -> list[str]:
 def test_compare_cli_trains_every_variant_at_the_users_scale(data_dir, tmp_path):
     out = tmp_path / "cmp"
     assert main(tiny_compare_args(data_dir, out, "model.attn_scale=standard")) == 0
-    for name in ("baseline", "q-identity-standard", "q-identity-standard-wide", "q-identity"):
+    for name in COMPARE_RULES:
         text = (out / name / "config.toml").read_text()
         model = tomllib.loads(text)["model"]
         assert model["attn_scale"] == "standard", name
@@ -119,7 +130,7 @@ def test_compare_cli_refuses_a_projection_for_every_variant(data_dir, tmp_path, 
     err = refused(capsys, tiny_compare_args(data_dir, tmp_path / "cmp",
                                             "model.projection=k-identity"))
     assert "model.projection" in err
-    assert "q-identity-standard, q-identity-standard-wide, q-identity" in err
+    assert "q-identity-tuned, q-identity-tuned-wide, q-identity" in err
     assert not (tmp_path / "cmp").exists()  # refused before anything trained
 
 

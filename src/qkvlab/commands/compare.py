@@ -1,5 +1,5 @@
-"""`qkvlab compare`: train the baseline, W_Q = I and W_Q = I + wider MLP (standard scale), and
-W_Q = I with the paper's recipe (halved scale), then tabulate and plot."""
+"""`qkvlab compare`: train the baseline, W_Q = I and W_Q = I + wider MLP (each arm at its tuned
+scale), and W_Q = I with the paper's recipe (halved scale), then tabulate and plot."""
 
 from __future__ import annotations
 
@@ -149,9 +149,9 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
 
 
 def add_parser(sub: Subparsers) -> None:
-    p = sub.add_parser("compare", help="the main job: baseline vs W_Q = I (standard scale, "
-                                       "also with a wider MLP) vs W_Q = I with the paper's "
-                                       "recipe")
+    p = sub.add_parser("compare", help="the main job: baseline vs W_Q = I (also with a wider "
+                                       "MLP), each at its tuned scale, vs W_Q = I with the "
+                                       "paper's recipe")
     p.add_argument("--preset",
                    help="quick (~11 min on 2 AMX cores in bf16; the expected time is "
                         "printed) | long")

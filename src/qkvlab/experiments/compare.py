@@ -1,15 +1,16 @@
 """`qkvlab compare`: the paper's comparison at laptop scale, end to end.
 
-The command (qkvlab.commands.compare) trains baseline, W_Q = I and W_Q = I with the wider MLP at
-the standard scale, and W_Q = I with the paper's recipe (model.variants.COMPARE_RULES)
-(same data, same seed, same fixed validation windows); this module summarises their runs into a
-table and plots the validation curves. Finished runs are reused and interrupted ones resumed, so
-the command can be re-run after a kill.
+The command (qkvlab.commands.compare) trains the baseline, W_Q = I and W_Q = I with the wider MLP,
+each arm at the scale measured best at compare's shape, and W_Q = I with the paper's recipe
+(model.variants.COMPARE_RULES; same data, same seed, same fixed validation windows); this module
+summarises their runs into a table and plots the validation curves. Finished runs are reused
+and interrupted ones resumed, so the command can be re-run after a kill.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from rich.table import Table
@@ -40,8 +41,8 @@ def variant_configs(base: RunConfig, overrides: list[str], out: Path
     for rule in COMPARE_RULES:
         cfg = dataclasses.replace(apply_rule(base, rule, user), out_dir=str(out / rule),
                                   name=rule)
-        what = (f"{rule_named(rule).description}, attn scale {cfg.model.scale:.4g}, weight "
-                f"decay {cfg.optim.weight_decay:g}")
+        what = (f"{rule_named(rule).description}, attn scale {cfg.model.scale:.4g} "
+                f"({cfg.model.attn_scale}), weight decay {cfg.optim.weight_decay:g}")
         variants.append((rule, what, cfg))
     return variants
 
@@ -66,6 +67,8 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
             "projection": cfg.model.projection,
             "mlp_hidden": cfg.model.hidden,
             "attn_scale": cfg.model.scale,
+            "attn_scale_setting": cfg.model.attn_scale,  # e.g. "4/sqrt(d_k)", "paper"
+            "alpha": cfg.model.scale * math.sqrt(cfg.model.d_head),  # scale x sqrt(d_k)
             "weight_decay": cfg.optim.weight_decay,
             "non_embedding": counts.non_embedding,
             "total": counts.total,
@@ -83,27 +86,28 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
 
 def render_table(rows: list[dict]) -> Table:
     table = Table(title="qkvlab compare: validation loss on the same fixed windows")
-    for col in ("variant", "non-emb params", "total params", "wd", "scale", "final val loss",
-                "delta vs baseline", "tokens/s"):
+    for col in ("variant", "non-emb params", "total params", "wd", "scale (alpha)",
+                "final val loss", "delta vs baseline", "tokens/s"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in rows:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         table.add_row(r["variant"], f"{r['non_embedding']:,}", f"{r['total']:,}",
-                      f"{r['weight_decay']:.4g}", f"{r['attn_scale']:.4g}",
+                      f"{r['weight_decay']:.4g}", f"{r['attn_scale']:.4g} ({r['alpha']:.3g})",
                       f"{r['final_val_loss']:.4f}",
                       f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%)", tps)
     return table
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| variant | non-embedding params | total params | weight decay | attn scale | "
-             "final val loss | delta vs baseline | tokens/s |",
+    lines = ["| variant | non-embedding params | total params | weight decay | attn scale "
+             "(alpha = scale x sqrt(d_k)) | final val loss | delta vs baseline | tokens/s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         lines.append(
             f"| {r['variant']} | {r['non_embedding']:,} | {r['total']:,} | "
-            f"{r['weight_decay']:.4g} | {r['attn_scale']:.4g} | {r['final_val_loss']:.4f} | "
+            f"{r['weight_decay']:.4g} | {r['attn_scale']:.4g} ({r['alpha']:.3g}) | "
+            f"{r['final_val_loss']:.4f} | "
             f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%) | {tps} |")
     return "\n".join(lines)
 

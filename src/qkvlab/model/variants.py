@@ -1,7 +1,7 @@
 """The paper's model variants (docs/paper.md section 5) and the rules that derive them from a base.
 
 The rules, stated once, in RULE_TABLE: W_Q = I trains at the "paper" attention scale (halved)
-with weight decay 2^-5 instead of 0.1 (`qkvlab compare` also at the standard scale);
+with weight decay 2^-5 instead of 0.1 (`qkvlab compare` also at each arm's tuned scale);
 "reallocated" moves the d^2 saved per layer into the MLP (hidden + d/2, i.e. 4d -> 4.5d). A
 rule *sets* some keys whatever the base says (its `settings` and weight decay) and *derives*
 others from the base's (an MLP or a width).
@@ -78,16 +78,27 @@ class Rule:
 
 
 W_Q_IDENTITY: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "paper"}
-# W_Q = I at the standard 1/sqrt(d_k): what `qkvlab compare` runs, the better of the scales
-# measured at its shape (spec compare-quick-scale, docs/results/README.md)
 W_Q_IDENTITY_STANDARD: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "standard"}
+# Each arm's best attention scale at `qkvlab compare`'s quick shape (4x128, d_k = 32, 1,200
+# steps of tinyshakespeare; spec compare-quick-scale, 3 seeds, docs/results/README.md), as
+# alpha / sqrt(d_k): what compare runs, so neither arm is compared at a scale that handicaps it
+TUNED_BASELINE_SCALE = "4/sqrt(d_k)"
+TUNED_Q_IDENTITY_SCALE = "2.83/sqrt(d_k)"
+W_Q_IDENTITY_TUNED: Mapping[str, Any] = {"projection": "q-identity",
+                                         "attn_scale": TUNED_Q_IDENTITY_SCALE}
 
 # The names are those of `compare_variants` and `paper_variants` (applied to the paper's base
-# they give exactly its five variants), plus "nonlinear-q" (docs/paper.md section 6: Q(X) =
-# (X + f(X)) / 2, keys and values linear, the usual scale; weight decay 0.1, as the paper's
-# best nonlinear-query run).
+# they give exactly its five variants), W_Q = I at the standard scale, "nonlinear-q"
+# (docs/paper.md section 6: Q(X) = (X + f(X)) / 2, keys and values linear, the usual scale;
+# weight decay 0.1, as the paper's best nonlinear-query run), and W_K = I, W_V = I.
 RULE_TABLE: dict[str, Rule] = {
     "baseline": Rule("W_Q, W_K, W_V", BASELINE_WEIGHT_DECAY),
+    "baseline-tuned": Rule("W_Q, W_K, W_V, its tuned scale", BASELINE_WEIGHT_DECAY,
+                           {"attn_scale": TUNED_BASELINE_SCALE}),
+    "q-identity-tuned": Rule("W_Q = I, its tuned scale", REDUCED_WEIGHT_DECAY,
+                             W_Q_IDENTITY_TUNED),
+    "q-identity-tuned-wide": Rule("W_Q = I, its tuned scale, MLP + d/2", REDUCED_WEIGHT_DECAY,
+                                  W_Q_IDENTITY_TUNED, wider_mlp),
     "q-identity": Rule("W_Q = I, the paper's recipe", REDUCED_WEIGHT_DECAY, W_Q_IDENTITY),
     "q-identity-wide": Rule("W_Q = I, MLP + d/2", REDUCED_WEIGHT_DECAY, W_Q_IDENTITY, wider_mlp),
     "q-identity-standard": Rule("W_Q = I, standard scale", REDUCED_WEIGHT_DECAY,
@@ -107,9 +118,9 @@ RULE_TABLE: dict[str, Rule] = {
                        {"projection": "v-identity", "attn_scale": "paper"}),
 }
 RULES: tuple[str, ...] = tuple(RULE_TABLE)
-# the main job: W_Q = I (and its wider MLP) at the scale measured best at compare's shape, and
-# the paper's exact recipe (halved scale) beside them, labelled
-COMPARE_RULES: tuple[str, ...] = ("baseline", "q-identity-standard", "q-identity-standard-wide",
+# the main job: each arm at the scale measured best at compare's shape (W_Q = I also with the
+# wider MLP), and the paper's exact recipe (halved scale) beside them, labelled
+COMPARE_RULES: tuple[str, ...] = ("baseline-tuned", "q-identity-tuned", "q-identity-tuned-wide",
                                   "q-identity")
 
 
