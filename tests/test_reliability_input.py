@@ -44,7 +44,7 @@ def test_one_signal_stops_compare_without_a_table(tmp_path, monkeypatch, capsys,
     text = capsys.readouterr().out
     assert "expected: about" in text
     assert f"qkvlab compare --preset quick --out {out} --steps 6" in text
-    assert sorted(p.name for p in out.iterdir()) == ["baseline"]  # nothing else started
+    assert sorted(p.name for p in out.iterdir()) == ["baseline-tuned"]  # nothing else started
     assert not (out / "compare.md").exists() and not (out / "compare.json").exists()
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
@@ -59,13 +59,13 @@ def test_compare_does_not_take_a_stopped_run_for_a_finished_one(tmp_path, monkey
     args = ["compare", "--steps", "6", "--out", str(out), *TINY]
     signal_at(monkeypatch, 4, signal.SIGINT)
     assert main(args) == 130
-    summary = json.loads((out / "baseline" / "summary.json").read_text())
+    summary = json.loads((out / "baseline-tuned" / "summary.json").read_text())
     assert summary["interrupted"] and summary["signal"] == signal.SIGINT
     monkeypatch.undo()
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert main(args) == 0
-    assert "baseline: finished earlier" not in capsys.readouterr().out
+    assert "baseline-tuned: finished earlier" not in capsys.readouterr().out
 
 
 def test_sigterm_stops_a_sweep_with_143(tmp_path, monkeypatch, capsys, data_dir):

@@ -84,6 +84,12 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
     return rows
 
 
+def _scale_cell(r: dict) -> str:
+    """The scale and its alpha; a compare.json written before alpha was recorded has none."""
+    alpha = f" ({r['alpha']:.3g})" if r.get("alpha") is not None else ""
+    return f"{r['attn_scale']:.4g}{alpha}"
+
+
 def render_table(rows: list[dict]) -> Table:
     table = Table(title="qkvlab compare: validation loss on the same fixed windows")
     for col in ("variant", "non-emb params", "total params", "wd", "scale (alpha)",
@@ -92,7 +98,7 @@ def render_table(rows: list[dict]) -> Table:
     for r in rows:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         table.add_row(r["variant"], f"{r['non_embedding']:,}", f"{r['total']:,}",
-                      f"{r['weight_decay']:.4g}", f"{r['attn_scale']:.4g} ({r['alpha']:.3g})",
+                      f"{r['weight_decay']:.4g}", _scale_cell(r),
                       f"{r['final_val_loss']:.4f}",
                       f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%)", tps)
     return table
@@ -106,7 +112,7 @@ def markdown_table(rows: list[dict]) -> str:
         tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         lines.append(
             f"| {r['variant']} | {r['non_embedding']:,} | {r['total']:,} | "
-            f"{r['weight_decay']:.4g} | {r['attn_scale']:.4g} ({r['alpha']:.3g}) | "
+            f"{r['weight_decay']:.4g} | {_scale_cell(r)} | "
             f"{r['final_val_loss']:.4f} | "
             f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%) | {tps} |")
     return "\n".join(lines)
