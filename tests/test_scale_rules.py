@@ -229,6 +229,7 @@ def test_a_scale_written_as_a_multiple_of_the_standard_one_carries_across_head_s
                           attn_scale="2.830 / sqrt(d_k)")
         assert cfg.attn_scale == "2.83/sqrt(d_k)" and not cfg.learned_scale
         assert cfg.scale == pytest.approx(2.83 / math.sqrt(d_k))
+        assert cfg.alpha == pytest.approx(2.83)  # what the scans, compare and hf read
         assert GPT(cfg).blocks[0].attn.scale == pytest.approx(cfg.scale)
     assert 'attn_scale = "4/sqrt(d_k)"  # resolved: 0.5' in config_toml(
         RunConfig(model=ModelConfig(n_layer=1, n_head=2, n_embd=128, attn_scale="4/sqrt(d_k)")))

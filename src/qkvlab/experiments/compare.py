@@ -10,7 +10,6 @@ and interrupted ones resumed, so the command can be re-run after a kill.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
 from rich.table import Table
@@ -68,7 +67,7 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
             "mlp_hidden": cfg.model.hidden,
             "attn_scale": cfg.model.scale,
             "attn_scale_setting": cfg.model.attn_scale,  # e.g. "4/sqrt(d_k)", "paper"
-            "alpha": cfg.model.scale * math.sqrt(cfg.model.d_head),  # scale x sqrt(d_k)
+            "alpha": cfg.model.alpha,  # scale x sqrt(d_k)
             "weight_decay": cfg.optim.weight_decay,
             "non_embedding": counts.non_embedding,
             "total": counts.total,

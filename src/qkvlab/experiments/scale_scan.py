@@ -15,7 +15,6 @@ means the optimum may lie beyond it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,8 +24,7 @@ from qkvlab.experiments.runs import RunData
 
 def alpha_of(g: GroupResult) -> float:
     """The group's logit scale over the standard 1/sqrt(d_k)."""
-    m = g.group.config.model
-    return m.scale * math.sqrt(m.d_head)
+    return g.group.config.model.alpha
 
 
 @dataclass(frozen=True)

@@ -264,7 +264,7 @@ def scheme_note(model: GPT, architecture: str = GPT2_ARCH) -> str:
     """How the model's projection scheme was written into GPT-2's c_attn block (or Llama's
     q/k/v_proj)."""
     cfg = model.cfg
-    r = cfg.scale * math.sqrt(cfg.d_head)
+    r = cfg.alpha
     llama = architecture == LLAMA_ARCH
     q, k, v = (("q_proj", "k_proj", "v_proj") if llama
                else ("the query block", "the key block", "the value block"))

@@ -11,7 +11,6 @@ match transformers' (when transformers is installed), so a refused import leaves
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import uuid
@@ -269,7 +268,7 @@ def _llama_notes(model: GPT, tensors: dict[str, torch.Tensor], detect: bool) -> 
         notes.append(f"weights stored as {', '.join(dtypes)}: upcast to float32")
     cfg = model.cfg
     if cfg.projection != "baseline":
-        r = cfg.scale * math.sqrt(cfg.d_head)
+        r = cfg.alpha
         proj = "q_proj" if cfg.projection == "q-identity" else "k_proj"
         notes.append(f"every layer's {proj} is {r:g} I: imported as projection={cfg.projection}")
     elif detect:

@@ -169,6 +169,11 @@ class ModelConfig:
         return attention_scale(self.attn_scale, self.projection, self.n_embd, self.d_head,
                                self.init_std)
 
+    @property
+    def alpha(self) -> float:
+        """The scale over the standard 1/sqrt(d_k): the coordinate of the scale scans."""
+        return self.scale * math.sqrt(self.d_head)
+
     def on_device(self, device_type: str) -> ModelConfig:
         """This config with attn_impl = "auto" made the kernel of `device_type` (what a run
         records: the kernel it ran on)."""
