@@ -22,11 +22,6 @@ from qkvlab.experiments.results import GroupResult, Report, SettingGap, setting_
 from qkvlab.experiments.runs import RunData
 
 
-def alpha_of(g: GroupResult) -> float:
-    """The group's logit scale over the standard 1/sqrt(d_k)."""
-    return g.group.config.model.alpha
-
-
 @dataclass(frozen=True)
 class ScanPoint:
     alpha: float
@@ -88,7 +83,7 @@ def _done(g: GroupResult) -> list[RunData]:
 def _point(g: GroupResult, shared: set[int]) -> ScanPoint:
     done = _done(g)
     chosen = [r.final_loss for r in done if r.seed in shared]
-    return ScanPoint(alpha_of(g), g.group.name, len(done), g.loss.mean,
+    return ScanPoint(g.group.config.model.alpha, g.group.name, len(done), g.loss.mean,
                      sum(r.best[1] for r in done) / len(done), sum(chosen) / len(chosen))
 
 
@@ -105,7 +100,7 @@ def scan_cells(rep: Report) -> list[ScanCell]:
     found: dict[tuple[str, int, float], dict[float, GroupResult]] = {}
     for g in rep.groups:
         if g.loss.n and _done(g):
-            found.setdefault(_key(g), {}).setdefault(round(alpha_of(g), 6), g)
+            found.setdefault(_key(g), {}).setdefault(round(g.group.config.model.alpha, 6), g)
     cells = (_cell(key, by) for key, by in sorted(found.items()))
     return [c for c in cells if c is not None]
 
