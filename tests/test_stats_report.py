@@ -195,6 +195,60 @@ def test_attention_statistics_are_measured_cached_and_archived(tmp_path, data_di
     assert again["attention"] == rows
 
 
+def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each_lr(
+        tmp_path, data_dir):
+    """An alpha scan at one lr and a second width: each cell is its row's best group there."""
+    import math
+
+    data, text, _ = sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "baseline-lr"
+family = "baseline"
+rule = "baseline"
+lr = 0.004
+
+[[variant]]
+name = "baseline-a"
+family = "baseline"
+rule = "baseline"
+attn_scale = 0.7
+
+[[variant]]
+name = "qid-lr"
+family = "qid"
+rule = "q-identity"
+lr = 0.004
+
+[[variant]]
+name = "baseline-wide"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
+
+[[variant]]
+name = "baseline-wide-lr"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
+lr = 0.004
+""")
+    mean = {g["group"]: g["final_val_loss"]["mean"] for g in data["groups"]}
+    alpha = {g["group"]: g["attn_scale"] for g in data["groups"]}
+    table = text.split("## Final loss vs learning rate")[1].split("![")[0]
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| family")}
+    assert set(rows) == {"baseline d 16", "qid d 16", "baseline d 32"}
+    best = min(("baseline", "baseline-a"), key=mean.get)  # the scan at lr 1e-3
+    cell = rows["baseline d 16"][0]
+    assert cell.startswith(f"{mean[best]:.4f}")
+    shown = best == "baseline-a"  # its alpha differs from the lr 4e-3 cell's: named
+    assert ("alpha" in cell) == shown
+    if shown:
+        assert f"alpha {alpha[best] * math.sqrt(8):.3g}" in cell
+    assert rows["baseline d 32"][1].startswith(f"{mean['baseline-wide-lr']:.4f}")
+    assert "alpha" not in "".join(rows["qid d 16"])
+
+
 def test_a_scale_scan_reports_each_arms_best_alpha_and_the_tuned_gap(tmp_path, data_dir):
     """Both arms scan attn_scale at two widths (n_embd 16: 2 heads of 8; 32: 2 heads of 16)."""
     import math

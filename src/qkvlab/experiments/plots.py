@@ -124,7 +124,8 @@ def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: P
         else:
             a.set_xscale("log")
         a.grid(alpha=0.3, which="both")
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:  # the paired panel is empty without the baseline
+            a.legend(fontsize=8)
     ax.set(xlabel=key, ylabel="final validation loss", title=f"final loss vs {key} "
            "(mean +- std over seeds)")
     ax_d.axhline(0, color="gray", lw=0.8)

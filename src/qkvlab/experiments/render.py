@@ -310,11 +310,16 @@ def _grid_section(key: str, title: str, fams: dict[str, list[GroupResult]],
               "(2^-5 vs 0.1). Per family, the final loss at each weight decay; a family "
               "that degrades or diverges at low weight decay where the other does not is "
               "evidence on that claim.", ""]
+    L += ["Final validation loss, mean +- std over seeds (n). A row is a family at one setting "
+          "of the other axes; where several of its groups ran at one value (an attention-scale "
+          "scan), the cell is the one with the lowest mean, its alpha in brackets when the "
+          "row's cells differ in it.", ""]
     values = sorted({getattr(g.group.config.optim, key) for gs in fams.values() for g in gs})
     L.append("| family | " + " | ".join(f"{key} {v:g}" for v in values) + " |")
     L.append("|---|" + "---:|" * len(values))
     for fam, gs in fams.items():
-        cells = [_grid_cell([g for g in gs if getattr(g.group.config.optim, key) == v])
+        alpha = len({round(g.group.config.model.alpha, 6) for g in gs}) > 1
+        cells = [_grid_cell([g for g in gs if getattr(g.group.config.optim, key) == v], alpha)
                  for v in values]
         L.append(f"| {fam} | " + " | ".join(cells) + " |")
     if key in plots:
@@ -322,13 +327,15 @@ def _grid_section(key: str, title: str, fams: dict[str, list[GroupResult]],
     return L
 
 
-def _grid_cell(hit: list[GroupResult]) -> str:
-    """The first group at a grid point: mean +- std (n) and how many of its runs failed."""
+def _grid_cell(hit: list[GroupResult], alpha: bool = False) -> str:
+    """The row's group at a grid point: mean +- std (n), its alpha when asked, and how many of
+    its runs failed."""
     if not hit:
         return ""
     g = hit[0]
     nfail = sum(r.status == "failed" for r in g.runs)
-    cell = f"{_pm(g.loss)} (n={g.loss.n})" if g.loss.n else "n/a"
+    shown = f"n={g.loss.n}" + (f", alpha {g.group.config.model.alpha:.3g}" if alpha else "")
+    cell = f"{_pm(g.loss)} ({shown})" if g.loss.n else "n/a"
     return cell + (f", {nfail} failed" if nfail else "")
 
 

@@ -431,12 +431,32 @@ def _window_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
 
 
 def grid_families(rep: Report, key: str) -> dict[str, list[GroupResult]]:
-    """Every family (in spec order) when one of them spans two or more values of optim.<key>,
-    else nothing: a sweep without such a grid has no view of that key."""
-    fams: dict[str, list[GroupResult]] = {}
+    """The rows of the optim.<key> view (a weight-decay or lr grid): one per family and setting
+    of the other trend axes (width, and the lr when `key` is not it) that spans two or more values
+    of `key`, in spec order, labelled by family (and the settings that tell its rows apart); each
+    holds, per value, the group with the lowest mean final loss there (an attention-scale scan
+    offers several), by value. Empty when no row spans two values."""
+    axes = [i for i, a in enumerate(TREND_AXES) if (a.section, a.key) != ("optim", key)]
+    rows: dict[tuple[Any, ...], dict[float, GroupResult]] = {}
     for g in rep.groups:
-        fams.setdefault(g.group.family, []).append(g)
-    if not any(len({getattr(g.group.config.optim, key) for g in gs}) > 1
-               for gs in fams.values()):
-        return {}
-    return fams
+        s = _settings(g)
+        row = rows.setdefault((g.group.family, *(s[i] for i in axes)), {})
+        v = getattr(g.group.config.optim, key)
+        if v not in row or _lower_loss(g, row[v]):
+            row[v] = g
+    spans = {k: [row[v] for v in sorted(row)] for k, row in rows.items() if len(row) > 1}
+    varies = [j for j in range(len(axes)) if len({k[1 + j] for k in spans}) > 1]
+    return {_row_label(k, [axes[j] for j in varies], varies): gs for k, gs in spans.items()}
+
+
+def _lower_loss(g: GroupResult, than: GroupResult) -> bool:
+    """g has finished runs and a lower mean final loss (or the other has none)."""
+    if not g.loss.n:
+        return False
+    return not than.loss.n or g.loss.mean < than.loss.mean
+
+
+def _row_label(key: tuple[Any, ...], axes: list[int], at: list[int]) -> str:
+    short = {"width": "d", "lr": "lr"}
+    return " ".join([key[0], *(f"{short[TREND_AXES[i].name]} {key[1 + j]:g}"
+                               for i, j in zip(axes, at, strict=True))])
