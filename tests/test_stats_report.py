@@ -359,3 +359,9 @@ grid = { attn_scale = [0.1, 0.7] }
             "qid-late.scale0.7.") in text
     assert "- qid: " in text and "| qid | 2 (1, 2) |" in text
     assert "| qid-late" not in text.split("## Paired differences")[1].split("## ")[0]
+    # a reference with no finished run: one line that says so, not every variant by name
+    shutil.rmtree(tmp_path / "sw" / "baseline")
+    assert main(["report", str(tmp_path / "sw"), "--out", str(tmp_path / "rep3")]) == 0
+    text = (tmp_path / "rep3" / "report.md").read_text()
+    assert "- the baseline has no finished run yet, so no variant is paired with it" in text
+    assert "beside the baseline yet" not in text

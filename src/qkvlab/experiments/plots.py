@@ -204,18 +204,25 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     colors = variant_colors(fams)
     widths = sorted({c.width for c in cells})
     styles = dict(zip(widths, ["-", "--", ":", "-."] * 4, strict=False))
+    lrs = sorted({c.lr for c in cells})
+    markers = dict(zip(lrs, "osD^v" * 4, strict=False))
+
+    def named(c: ScanCell) -> str:
+        return c.family + (f", lr {c.lr:g}" if len(lrs) > 1 else "")
+
     for c in cells:
-        lr = f", lr {c.lr:g}" if len({x.lr for x in cells}) > 1 else ""
-        left.plot([p.alpha for p in c.points], [p.final for p in c.points], marker="o",
-                  ls=styles[c.width], color=colors[c.family], label=f"{c.family} d {c.width}{lr}")
+        left.plot([p.alpha for p in c.points], [p.final for p in c.points],
+                  marker=markers[c.lr], ls=styles[c.width], color=colors[c.family],
+                  label=f"{named(c)} d {c.width}")
         left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
-    for i, fam in enumerate(fams):
-        nudge = 1 + 0.03 * i  # families at the same best alpha stay visible side by side
-        mine = sorted((c for c in cells if c.family == fam), key=lambda c: c.width)
+    lines = list(dict.fromkeys((c.family, c.lr) for c in cells))
+    for i, (fam, lr) in enumerate(lines):
+        nudge = 1 + 0.03 * i  # lines at the same best alpha stay visible side by side
+        mine = sorted((c for c in cells if (c.family, c.lr) == (fam, lr)), key=lambda c: c.width)
         right.plot([c.width * nudge for c in mine], [c.best.alpha for c in mine],
-                   color=colors[fam], label=fam)
+                   color=colors[fam], label=named(mine[0]))
         for c in mine:
-            right.plot([c.width * nudge], [c.best.alpha], marker="o", color=colors[fam],
+            right.plot([c.width * nudge], [c.best.alpha], marker=markers[lr], color=colors[fam],
                        mfc="none" if c.edge else colors[fam])
     alphas = sorted({p.alpha for c in cells for p in c.points})
     for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):

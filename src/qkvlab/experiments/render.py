@@ -95,7 +95,10 @@ def verdicts(rep: Report) -> list[str]:
     waiting = {id(g) for g in unpaired}
     lines = [verdict(g, rep.ref) for g in rep.groups
              if g is not rep.baseline and id(g) not in waiting]
-    if unpaired:
+    if unpaired and not rep.baseline.loss.n:
+        lines.append(f"{rep.ref} has no finished run yet, so no variant is paired with it "
+                     "(--versus GROUP names another reference).")
+    elif unpaired:
         lines.append(f"{len(unpaired)} variant(s) have no seed finished beside {rep.ref} yet: "
                      + ", ".join(g.group.name for g in unpaired) + ".")
     return lines

@@ -28,6 +28,7 @@ written by qkvlab.experiments.render.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +43,14 @@ from qkvlab.experiments.results import (
     GroupResult,
     PairedRelative,
     Report,
+    SettingGap,
     grid_families,
     group_result,
     pair_with_reference,
     pick_reference,
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
-from qkvlab.experiments.scale_scan import scan_cells, tuned_gaps
+from qkvlab.experiments.scale_scan import TunedGap, scan_cells, tuned_gaps
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -150,6 +152,13 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
     }
 
 
+def _by_lr(tuned: list[TunedGap]) -> list[SettingGap]:
+    """The tuned gaps, one line per family and lr where the scans ran at several lrs."""
+    if len({t.cell.lr for t in tuned}) < 2:
+        return [t.gap for t in tuned]
+    return [replace(t.gap, family=f"{t.cell.family}, lr {t.cell.lr:g}") for t in tuned]
+
+
 def write_report(rep: Report, out: Path, command: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     plots: dict[str, str] = {}
@@ -176,7 +185,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
         plot_scale_scan(cells, out / "scale_scan.png")
         plots["scale_scan"] = "scale_scan.png"
     if tuned:
-        plot_gaps([t.gap for t in tuned], TREND_AXES[0], rep.baseline.group.family,
+        plot_gaps(_by_lr(tuned), TREND_AXES[0], rep.baseline.group.family,
                   out / "tuned_gap_vs_width.png")
         plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
