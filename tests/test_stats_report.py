@@ -292,6 +292,7 @@ grid = { attn_scale = [0.1, 0.7] }
         best = min(groups, key=mean.get)
         assert [p["group"] for p in cell["points"] if p["alpha"] == cell["best_alpha"]] == [best]
         assert cell["best_at_edge"] == (best in (groups[0], groups[-1]))
+        assert (cell["fitted_alpha"] is None) == cell["best_at_edge"]  # bracketed: fitted
     tuned = {t["width"]: t for t in data["scale_tuned_gaps"]}
     assert set(tuned) == {16, 32}
     t = tuned[32]
@@ -301,6 +302,7 @@ grid = { attn_scale = [0.1, 0.7] }
     assert t["alpha"] == cells[("qid", 32)]["best_alpha"]
     assert t["reference_alpha"] == cells[("baseline", 32)]["best_alpha"]
     assert "## The attention scale" in text and "Each arm at its own best alpha" in text
+    assert "| best alpha | fitted |" in text
     # several baseline groups per width (the scan): the scan pairs them, not the width or lr trend
     assert data["width_gaps"] == [] and data["lr_tuned_gaps"] == []
     assert "## Each family at its own best lr" not in text

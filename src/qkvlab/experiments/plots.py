@@ -197,7 +197,7 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
 def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     """Left: final validation loss against alpha, one line per family and width (the curves the
     best alphas come from). Right: each family's best alpha against width (hollow: at the end
-    of its grid, so the optimum may lie beyond)."""
+    of its grid, so the optimum may lie beyond; x: the fitted optimum between grid points)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     fams = list(dict.fromkeys(c.family for c in cells))
@@ -224,6 +224,8 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
         for c in mine:
             right.plot([c.width * nudge], [c.best.alpha], marker=markers[lr], color=colors[fam],
                        mfc="none" if c.edge else colors[fam])
+            if c.fitted is not None:
+                right.plot([c.width * nudge], [c.fitted], marker="x", ms=9, color=colors[fam])
     alphas = sorted({p.alpha for c in cells for p in c.points})
     for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):
         ax.set_xscale("log", base=2)
@@ -237,5 +239,5 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     right.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
     right.minorticks_off()
     left.set(ylabel="final val loss (mean over seeds)", title="loss against the logit scale")
-    right.set(ylabel="best alpha", title="best alpha against width (hollow: at a grid end)")
+    right.set(ylabel="best alpha", title="best alpha against width (hollow: grid end; x: fitted)")
     _save(plt, fig, path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qkvlab.experiments.render import gap_cells
-from qkvlab.experiments.scale_scan import ScanCell, TunedGap
+from qkvlab.experiments.scale_scan import ScanCell, TunedGap, alpha_trends
 
 
 def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
@@ -16,9 +16,11 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
          "alpha = scale x sqrt(d_k) (1: the standard 1/sqrt(d_k); 0.5: the paper's halving for "
          "W_Q = I). Final validation loss, mean over the seeds that finished (their number in "
          "brackets); **bold**: the family's best alpha at that width; *edge*: it is the end of "
-         "the grid run, so the optimum may lie beyond it.", "",
+         "the grid run, so the optimum may lie beyond it; *fitted*: the vertex of the parabola "
+         "in log alpha through the best alpha and its two neighbours, an optimum between the "
+         "grid's points.", "",
          "| family | d | lr | " + " | ".join(f"alpha {a:.3g}" for a in alphas)
-         + " | best alpha |", "|---|---:|---:|" + "---:|" * len(alphas) + "---:|"]
+         + " | best alpha | fitted |", "|---|---:|---:|" + "---:|" * len(alphas) + "---:|---:|"]
     for c in cells:
         by = {round(p.alpha, 6): p for p in c.points}
         row = []
@@ -27,8 +29,15 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
             text = "" if p is None else f"{p.final:.4f} ({p.seeds})"
             row.append(f"**{text}**" if p is c.best else text)
         edge = " (edge)" if c.edge else ""
+        fitted = "" if c.fitted is None else f"{c.fitted:.3g}"
         L.append(f"| {c.family} | {c.width} | {c.lr:g} | {' | '.join(row)} | "
-                 f"{c.best.alpha:.3g}{edge} |")
+                 f"{c.best.alpha:.3g}{edge} | {fitted} |")
+    for t in alpha_trends(cells):
+        at = ", ".join(f"{a:.3g} at d = {w}" for w, a in zip(t.widths, t.alphas, strict=True))
+        L += ["", f"- {t.family} (lr {t.lr:g}): fitted optimum {at}; alpha* = "
+                  f"{t.at_128:.3g} x (d / 128)^{t.exponent:+.2f}" + (
+                      " (the line through two widths)" if len(t.widths) == 2 else
+                      f" (least squares over {len(t.widths)} widths)")]
     if "scale_scan" in plots:
         L += ["", f"![scale scan]({plots['scale_scan']})"]
     if tuned:

@@ -50,7 +50,7 @@ from qkvlab.experiments.results import (
     pick_reference,
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
-from qkvlab.experiments.scale_scan import TunedGap, scan_cells, tuned_gaps
+from qkvlab.experiments.scale_scan import TunedGap, alpha_trends, scan_cells, tuned_gaps
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -148,6 +148,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
             for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
         "scale_scan": [c.as_dict() for c in cells],
         "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep, cells)],
+        "alpha_trends": [t.as_dict() for t in alpha_trends(cells)],
         "runs": [r.as_dict() for r in rep.runs()],
     }
 

@@ -10,11 +10,14 @@ seeds), so seeds added later to a few alphas measure the choice without changing
 gap pairs (by seed) the best group of each family with the reference family's best group at the
 same width and learning rate: the comparison of two arms each at its own scale. The best alpha is
 picked on the scan's runs, which flatters each side a little; a best alpha at the end of its grid
-means the optimum may lie beyond it.
+means the optimum may lie beyond it. Between grid points, the vertex of a parabola in log alpha
+through the best point and its neighbours estimates the optimum (`fitted`), and a power of the
+width fitted to those optima says how it moves (`alpha_trends`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,10 +53,44 @@ class ScanCell:
         """The best alpha is the smallest or the largest run: the optimum may lie beyond."""
         return self.best.alpha in (self.points[0].alpha, self.points[-1].alpha)
 
+    @property
+    def fitted(self) -> float | None:
+        """The optimum between the grid's points: the vertex of the parabola in log2(alpha)
+        through the best point and its two neighbours (their `choice` losses). None at a grid
+        end, where the optimum is not bracketed."""
+        i = self.points.index(self.best)
+        if i in (0, len(self.points) - 1):
+            return None
+        (x0, y0), (x1, y1), (x2, y2) = ((math.log2(p.alpha), p.choice)
+                                        for p in self.points[i - 1:i + 2])
+        # the best is the first lowest, so y0 > y1 <= y2: the curvature is positive
+        left, right = (y1 - y0) / (x1 - x0), (y2 - y1) / (x2 - x1)
+        curve = (right - left) / (x2 - x0)
+        return 2 ** ((x0 + x1) / 2 - left / (2 * curve))
+
     def as_dict(self) -> dict[str, Any]:
         return {"family": self.family, "width": self.width, "lr": self.lr,
                 "best_alpha": self.best.alpha, "best_at_edge": self.edge,
-                "points": [vars(p) for p in self.points]}
+                "fitted_alpha": self.fitted, "points": [vars(p) for p in self.points]}
+
+
+@dataclass(frozen=True)
+class AlphaTrend:
+    """How one family's optimum moves with width at one lr: alpha* = at_128 (d / 128)^exponent,
+    least squares in log2 over the widths whose optimum the grid brackets (`fitted`)."""
+
+    family: str
+    lr: float
+    widths: tuple[int, ...]
+    alphas: tuple[float, ...]  # the fitted optimum at each width
+    exponent: float
+    at_128: float
+
+    def alpha(self, width: int) -> float:
+        return self.at_128 * (width / 128) ** self.exponent
+
+    def as_dict(self) -> dict[str, Any]:
+        return vars(self)
 
 
 @dataclass(frozen=True)
@@ -120,3 +157,25 @@ def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
         if w is not None:
             out.append(TunedGap(c, ref, w))
     return sorted(out, key=lambda t: (t.cell.family, t.cell.width, t.cell.lr))
+
+
+def alpha_trends(cells: list[ScanCell]) -> list[AlphaTrend]:
+    """Per family and lr with a bracketed optimum at two or more widths, the power of the width
+    that fits them (two widths: the line through both)."""
+    found: dict[tuple[str, float], list[ScanCell]] = {}
+    for c in cells:
+        if c.fitted is not None:
+            found.setdefault((c.family, c.lr), []).append(c)
+    out = []
+    for (family, lr), cs in found.items():
+        cs = sorted(cs, key=lambda c: c.width)
+        if len(cs) < 2:
+            continue
+        xs = [math.log2(c.width / 128) for c in cs]
+        ys = [math.log2(c.fitted) for c in cs]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+                 / sum((x - mx) ** 2 for x in xs))
+        out.append(AlphaTrend(family, lr, tuple(c.width for c in cs),
+                              tuple(c.fitted for c in cs), slope, 2 ** (my - slope * mx)))
+    return out

@@ -1,0 +1,79 @@
+"""The scan's optimum between grid points and its power-of-width trend, on made-up losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qkvlab.experiments.scale_scan import ScanCell, ScanPoint, alpha_trends
+
+
+def cell(width: int, losses: dict[float, float], family: str = "qid", lr: float = 1e-3
+         ) -> ScanCell:
+    points = tuple(ScanPoint(a, f"{family}-{a}", 1, y, y, y) for a, y in sorted(losses.items()))
+    return ScanCell(family, width, lr, points)
+
+
+def bowl(center: float, grid: list[float], depth: float = 1.5) -> dict[float, float]:
+    """Losses on a parabola in log2(alpha) with its minimum at `center`."""
+    return {a: depth + (math.log2(a) - math.log2(center)) ** 2 for a in grid}
+
+
+def test_the_fitted_optimum_is_the_vertex_of_an_exact_parabola():
+    c = cell(128, bowl(3.0, [1, 2, 4, 8]))
+    assert c.best.alpha == 4 and not c.edge
+    assert c.fitted == pytest.approx(3.0)
+    assert c.as_dict()["fitted_alpha"] == pytest.approx(3.0)
+
+
+def test_an_optimum_at_a_grid_end_is_not_fitted():
+    c = cell(128, bowl(20.0, [1, 2, 4, 8]))
+    assert c.edge and c.fitted is None
+
+
+def test_a_tie_with_a_neighbour_puts_the_optimum_between_the_two():
+    c = cell(128, {1: 1.7, 2: 1.5, 4: 1.5, 8: 1.6})
+    assert c.best.alpha == 2 and c.fitted == pytest.approx(math.sqrt(2 * 4))
+
+
+@given(st.floats(-3, 3), st.lists(st.floats(0.3, 1.5), min_size=3, max_size=6),
+       st.floats(0.1, 5))
+def test_the_fitted_optimum_lies_between_the_best_points_neighbours(start, steps, width):
+    grid = [2 ** start]
+    for step in steps:
+        grid.append(grid[-1] * 2 ** step)
+    losses = {a: 1 + width * (math.log2(a) - math.log2(grid[len(grid) // 2])) ** 2 + 0.01 * i
+              for i, a in enumerate(grid)}  # a tilted bowl, not an exact one
+    c = cell(128, losses)
+    if c.fitted is None:
+        assert c.edge
+        return
+    i = [p.alpha for p in c.points].index(c.best.alpha)
+    assert grid[i - 1] <= c.fitted <= grid[i + 1]
+
+
+def test_the_width_trend_is_the_power_through_the_fitted_optima():
+    grid = [0.5, 1, 2, 4, 8, 16]
+    cells = [cell(128, bowl(3.0, grid)), cell(512, bowl(6.0, grid)),
+             cell(256, bowl(40.0, grid)),  # at the grid's end: left out of the fit
+             cell(128, bowl(5.0, grid), family="baseline")]  # one width: no trend
+    (t,) = alpha_trends(cells)
+    assert (t.family, t.widths) == ("qid", (128, 512))
+    assert t.exponent == pytest.approx(0.5) and t.at_128 == pytest.approx(3.0)
+    assert t.alpha(256) == pytest.approx(3.0 * math.sqrt(2))
+
+
+def test_three_widths_are_fitted_by_least_squares():
+    grid = [0.5, 1, 2, 4, 8, 16]
+    optima = {128: 2.0, 256: 3.0, 512: 4.0}
+    (t,) = alpha_trends([cell(w, bowl(a, grid)) for w, a in optima.items()])
+    import numpy as np
+
+    slope, intercept = np.polyfit([math.log2(w / 128) for w in optima],
+                                  [math.log2(a) for a in optima.values()], 1)
+    assert t.exponent == pytest.approx(slope)
+    assert math.log2(t.at_128) == pytest.approx(intercept)
+    assert t.alphas == pytest.approx(tuple(optima.values()))
