@@ -200,38 +200,14 @@ def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each
     """An alpha scan at one lr and a second width: each cell is its row's best group there."""
     import math
 
-    data, text, _ = sweep_report(tmp_path, data_dir, """
-[[variant]]
-name = "baseline-lr"
-family = "baseline"
-rule = "baseline"
-lr = 0.004
-
-[[variant]]
-name = "baseline-a"
-family = "baseline"
-rule = "baseline"
-attn_scale = 0.7
-
-[[variant]]
-name = "qid-lr"
-family = "qid"
-rule = "q-identity"
-lr = 0.004
-
-[[variant]]
-name = "baseline-wide"
-family = "baseline"
-rule = "baseline"
-n_embd = 32
-
-[[variant]]
-name = "baseline-wide-lr"
-family = "baseline"
-rule = "baseline"
-n_embd = 32
-lr = 0.004
-""")
+    data, text, _ = sweep_report(tmp_path, data_dir, "".join(
+        f'[[variant]]\nname = "{name}"\nfamily = "{fam}"\nrule = "{rule}"\n{extra}\n'
+        for name, fam, rule, extra in (
+            ("baseline-lr", "baseline", "baseline", "lr = 0.004"),
+            ("baseline-a", "baseline", "baseline", "attn_scale = 0.7"),
+            ("qid-lr", "qid", "q-identity", "lr = 0.004"),
+            ("baseline-wide", "baseline", "baseline", "n_embd = 32"),
+            ("baseline-wide-lr", "baseline", "baseline", "n_embd = 32\nlr = 0.004"))))
     mean = {g["group"]: g["final_val_loss"]["mean"] for g in data["groups"]}
     alpha = {g["group"]: g["attn_scale"] for g in data["groups"]}
     table = text.split("## Final loss vs learning rate")[1].split("![")[0]
