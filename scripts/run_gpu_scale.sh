@@ -64,8 +64,9 @@ part_args() {  # the sweep arguments of one part of the study
         d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
         lr128) echo "--only baseline-d128-lr0.5x,baseline-d128-lr2x" \
                     "--only q-identity-d128-lr0.5x,q-identity-d128-lr2x" \
-                    "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x" \
-                    "--only q-identity-d128-lr2x-alpha,q-identity-d128-lr4x" ;;
+                    "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x,baseline-d128-lr4x-alpha" \
+                    "--only q-identity-d128-lr2x-alpha,q-identity-d128-lr4x" \
+                    "--only q-identity-d128-lr4x-alpha" ;;
         seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
                        "--only baseline-d128.scale0.125,baseline-d128.scale1" \
                        "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
