@@ -220,7 +220,7 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
         nudge = 1 + 0.03 * i  # lines at the same best alpha stay visible side by side
         mine = sorted((c for c in cells if (c.family, c.lr) == (fam, lr)), key=lambda c: c.width)
         right.plot([c.width * nudge for c in mine], [c.best.alpha for c in mine],
-                   color=colors[fam], label=named(mine[0]))
+                   color=colors[fam], marker=markers[lr], mfc="none", label=named(mine[0]))
         for c in mine:
             right.plot([c.width * nudge], [c.best.alpha], marker=markers[lr], color=colors[fam],
                        mfc="none" if c.edge else colors[fam])
