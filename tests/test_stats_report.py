@@ -164,6 +164,7 @@ grid = { lr = [0.004] }
     ref = (runs[(base, 1)] + runs[(base, 2)]) / 2
     assert tuned["relative_pct"] == pytest.approx(50 * sum(d) / ref)
     assert "## Each family at its own best lr" in text and "optimum may lie beyond" in text
+    assert f" | 0.5 | {qid} | " in text and f" | 1 | {base} | " in text  # the alphas (paper: 0.5)
     assert "width_tuned_gaps" not in data  # a width is not tuned per model
 
 
