@@ -280,6 +280,7 @@ grid = { attn_scale = [0.1, 0.7] }
     assert t["reference_alpha"] == cells[("baseline", 32)]["best_alpha"]
     assert "## The attention scale" in text and "Each arm at its own best alpha" in text
     assert "| best alpha | fitted |" in text
+    assert "| family | d | lr | alpha | baseline alpha |" in text
     # several baseline groups per width (the scan): the scan pairs them, not the width or lr trend
     assert data["width_gaps"] == [] and data["lr_tuned_gaps"] == []
     assert "## Each family at its own best lr" not in text

@@ -45,12 +45,13 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
               f"Paired by seed (t-test, 95% interval), as % of {ref}'s loss, at the end "
               "(*final*) and at each run's lowest validation loss (*best*), and in training "
               "loss (*train*). One seed gives no interval.", "",
-              f"| family | d | alpha | {ref} alpha | seeds | final | 95% CI | p | p (Holm) "
+              f"| family | d | lr | alpha | {ref} alpha | seeds | final | 95% CI | p | p (Holm) "
               "| best | 95% CI | train | 95% CI |",
-              "|---|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|"]
+              "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|"]
         for t in tuned:
             edge = " (edge)" if t.cell.edge or t.reference.edge else ""
-            L.append(f"| {t.cell.family} | {t.cell.width} | {t.cell.best.alpha:.3g}{edge} | "
+            L.append(f"| {t.cell.family} | {t.cell.width} | {t.cell.lr:g} | "
+                     f"{t.cell.best.alpha:.3g}{edge} | "
                      f"{t.reference.best.alpha:.3g} | "
                      f"{', '.join(map(str, t.gap.result.seeds))} | {gap_cells(t.gap)} |")
         if "tuned_gap_width" in plots:
