@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -75,8 +76,23 @@ def records(path: Path):
 
 
 def offline_runs(run_dir: Path) -> list[Path]:
-    """The .wandb files of a run folder's W&B sessions, oldest first."""
-    return sorted((run_dir / WANDB_DIR).glob("offline-run-*/run-*.wandb"))
+    """The .wandb files of a run folder's W&B sessions, oldest first, each once it is written
+    out: wandb-core writes the log in its own process, and on a loaded machine its last flush
+    can land after run.finish has returned."""
+    paths = sorted((run_dir / WANDB_DIR).glob("offline-run-*/run-*.wandb"))
+    for path in paths:
+        deadline, size = time.monotonic() + 60, -1
+        while time.monotonic() < deadline and (path.stat().st_size != size or not _has_run(path)):
+            size = path.stat().st_size
+            time.sleep(0.5)
+    return paths
+
+
+def _has_run(path: Path) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "run" for r in records(path))
+    except AssertionError:  # a chunk still being written
+        return False
 
 
 def history(path: Path) -> dict[tuple[str, int], float]:
