@@ -66,7 +66,8 @@ part_args() {  # the sweep arguments of one part of the study
                     "--only q-identity-d128-lr0.5x,q-identity-d128-lr2x" \
                     "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x,baseline-d128-lr4x-alpha" \
                     "--only q-identity-d128-lr2x-alpha,q-identity-d128-lr4x" \
-                    "--only q-identity-d128-lr4x-alpha" ;;
+                    "--only q-identity-d128-lr4x-alpha" \
+                    "--only baseline-d128-lr8x-alpha,q-identity-d128-lr8x-alpha" ;;
         seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
                        "--only baseline-d128.scale0.125,baseline-d128.scale1" \
                        "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
