@@ -322,20 +322,19 @@ def _grid_section(key: str, title: str, fams: dict[str, list[GroupResult]],
     L.append("|---|" + "---:|" * len(values))
     for fam, gs in fams.items():
         alpha = len({round(g.group.config.model.alpha, 6) for g in gs}) > 1
-        cells = [_grid_cell([g for g in gs if getattr(g.group.config.optim, key) == v], alpha)
-                 for v in values]
+        at = {getattr(g.group.config.optim, key): g for g in gs}  # one group a value
+        cells = [_grid_cell(at.get(v), alpha) for v in values]
         L.append(f"| {fam} | " + " | ".join(cells) + " |")
     if key in plots:
         L += ["", f"![final loss vs {key}]({plots[key]})"]
     return L
 
 
-def _grid_cell(hit: list[GroupResult], alpha: bool = False) -> str:
+def _grid_cell(g: GroupResult | None, alpha: bool = False) -> str:
     """The row's group at a grid point: mean +- std (n), its alpha when asked, and how many of
     its runs failed."""
-    if not hit:
+    if g is None:
         return ""
-    g = hit[0]
     nfail = sum(r.status == "failed" for r in g.runs)
     shown = f"n={g.loss.n}" + (f", alpha {g.group.config.model.alpha:.3g}" if alpha else "")
     cell = f"{_pm(g.loss)} ({shown})" if g.loss.n else "n/a"
