@@ -51,7 +51,7 @@ def test_paper_presets_match_section_5():
     assert count_params(red.model).total == 117_295_872
     baby = load_config("shakespeare-char")
     assert (baby.model.n_layer, baby.model.n_embd, baby.model.block_size) == (6, 384, 256)
-    assert baby.train.dtype == "bf16" and baby.data.tokenizer == "char"
+    assert baby.train.dtype == "auto" and baby.data.tokenizer == "char"
 
 
 def test_overrides_parse_toml_literals():
@@ -77,7 +77,7 @@ def test_overrides_parse_toml_literals():
     ("train.max_steps=ten", "train.max_steps must be int"),
     ("optim.lr=fast", "optim.lr must be float"),
     ("train.compile=yes", "train.compile must be bool"),
-    ("train.dtype=fp16", "train.dtype must be one of bf16, fp32"),
+    ("train.dtype=fp16", "train.dtype must be one of auto, bf16, fp32"),
     ("optim.min_lr=1.0", "optim.min_lr must be in [0, lr"),
     ("model.n_head=5", "divisible"),
     ("lr=1", "is not section.key=value"),

@@ -96,12 +96,16 @@ def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, con
                     ) -> tuple[list[str], int | None]:
     """Train (or resume) each (name, description, config) in its folder, reusing finished runs
     unless `fresh`. Returns the variant names and the signal that stopped training, if one did."""
+    from qkvlab.run.device import on_this_device, resolve_device
     from qkvlab.run.layout import SUMMARY_FILE
     from qkvlab.run.records import is_finished, read_json_record
     from qkvlab.train import train
 
     todo = []
     for name, what, cfg in variants:
+        # the dtype "auto" picks here: the duration estimate times it, the start line names it
+        cfg = on_this_device(cfg, resolve_device(cfg.train.device))
+        what = f"{what}, {cfg.train.dtype}"
         run_dir = Path(cfg.out_dir)
         if fresh and run_dir.exists():
             shutil.rmtree(run_dir)
@@ -123,15 +127,15 @@ def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, con
 def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
     """A line with the expected wall time of the runs still to train, from the speed of a few
     training steps of the first one's model on this machine (evaluation included)."""
-    import torch
 
     from qkvlab.bench.workloads import TrainBench
+    from qkvlab.perf import torch_dtype
     from qkvlab.run.device import resolve_device
     from qkvlab.train.progress import fmt_eta
 
     cfg = todo[0][2]
     device = resolve_device(cfg.train.device)
-    dtype = torch.bfloat16 if cfg.train.dtype == "bf16" else torch.float32
+    dtype = torch_dtype(cfg.train.dtype)
     bench = TrainBench(cfg.model, cfg.train.batch_size * cfg.train.grad_accum, device, dtype,
                        compile=False)
     bench.time_steps(3)  # warm-up: first-call allocations and kernel choices

@@ -69,6 +69,7 @@ def summarize(out: Path, names: list[str]) -> list[dict]:
             "attn_scale_setting": cfg.model.attn_scale,  # e.g. "4/sqrt(d_k)", "paper"
             "alpha": cfg.model.alpha,  # scale x sqrt(d_k)
             "weight_decay": cfg.optim.weight_decay,
+            "dtype": cfg.train.dtype,  # what train.dtype "auto" picked on the training machine
             "non_embedding": counts.non_embedding,
             "total": counts.total,
             "steps": steps[-1],

@@ -316,13 +316,16 @@ def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where
 
 
 def _on_this_machine(cfg: RunConfig) -> RunConfig:
-    """attn_impl = "auto" made the kernel of the device train.device names here, so that a run
-    folder's config.toml, the fingerprints and --reuse all see the kernel the run trains on."""
-    if cfg.model.attn_impl != "auto":
+    """attn_impl and train.dtype = "auto" made those of the device train.device names here, so
+    that a run folder's config.toml, the fingerprints and --reuse all see what the run trains
+    with."""
+    if cfg.model.attn_impl != "auto" and cfg.train.dtype != "auto":
         return cfg
-    from qkvlab.run.device import device_type  # torch: only for a kernel left to the device
+    import torch  # only for what is left to the device
 
-    return cfg.on_device(device_type(cfg.train.device))
+    from qkvlab.run.device import device_type, on_this_device
+
+    return on_this_device(cfg, torch.device(device_type(cfg.train.device)))
 
 
 def config_identity(cfg: RunConfig) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from qkvlab.fsutil import write_text_atomic
 from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table, shown
 from qkvlab.run.layout import CONFIG_FILE
 
-DTYPES: tuple[str, ...] = ("bf16", "fp32")
+# "auto": bf16 where the device has native bf16 matmuls, else fp32 (run/device.py)
+DTYPES: tuple[str, ...] = ("auto", "bf16", "fp32")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # Multi-process wrappers under torchrun (one process trains plainly whatever this says).
 PARALLEL: tuple[str, ...] = ("ddp", "fsdp")

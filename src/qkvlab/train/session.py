@@ -210,7 +210,7 @@ def announce(s: Session) -> None:
         "measured") else None
     if slowdown is not None and slowdown > 2:
         s.say(f"bf16 matmuls run {slowdown:.0f}x slower than fp32 on this CPU (it has no bf16 "
-              "instructions): --set train.dtype=fp32 trains faster here")
+              "instructions): --set train.dtype=auto (fp32 here) trains faster")
     if s.ctx.enabled:
         s.say(f"{s.ctx.world_size} processes ({s.par.mode}): each runs "
               f"{s.plan.micro_steps_per_rank} micro-step(s) of {s.plan.rows_per_micro_step} rows "

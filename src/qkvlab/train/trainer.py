@@ -20,7 +20,7 @@ from typing import Any
 from qkvlab.fsutil import check_tree, write_text_atomic
 from qkvlab.run import guard, store
 from qkvlab.run.config import RunConfig
-from qkvlab.run.device import resolve_device
+from qkvlab.run.device import on_this_device, resolve_device
 from qkvlab.run.layout import SUMMARY_FILE
 from qkvlab.run.lock import RunLock
 from qkvlab.train import distributed
@@ -47,8 +47,9 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     Returns the summary also written to summary.json (final val loss, tokens/s, params, ...).
     """
     run_dir = cfg.run_dir
-    # config.toml and state.json name the attention kernel the run trains on, never "auto"
-    cfg = cfg.on_device(resolve_device(cfg.train.device).type)
+    # config.toml and state.json name the attention kernel and dtype the run trains with,
+    # never "auto"
+    cfg = on_this_device(cfg, resolve_device(cfg.train.device))
     # refuse an absurd config before anything is allocated, locked or written
     guard.train_memory_check(cfg, resolve_device(cfg.train.device))
     # every file of the run is written in place: a link out of the folder would be written
