@@ -1,4 +1,5 @@
-"""The scan's optimum between grid points and its power-of-width trend, on made-up losses."""
+"""The scan's optimum between grid points and its power-of-width and power-of-lr trends, on
+made-up losses."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from qkvlab.experiments.render_scan import scan_section
 from qkvlab.experiments.scale_scan import ScanCell, ScanPoint, alpha_trends
 
 
@@ -61,8 +63,8 @@ def test_the_width_trend_is_the_power_through_the_fitted_optima():
              cell(256, bowl(40.0, grid)),  # at the grid's end: left out of the fit
              cell(128, bowl(5.0, grid), family="baseline")]  # one width: no trend
     (t,) = alpha_trends(cells)
-    assert (t.family, t.widths) == ("qid", (128, 512))
-    assert t.exponent == pytest.approx(0.5) and t.at_128 == pytest.approx(3.0)
+    assert (t.family, t.axis, t.held, t.xs) == ("qid", "width", 1e-3, (128, 512))
+    assert t.exponent == pytest.approx(0.5) and t.at_ref == pytest.approx(3.0)
     assert t.alpha(256) == pytest.approx(3.0 * math.sqrt(2))
 
 
@@ -75,5 +77,25 @@ def test_three_widths_are_fitted_by_least_squares():
     slope, intercept = np.polyfit([math.log2(w / 128) for w in optima],
                                   [math.log2(a) for a in optima.values()], 1)
     assert t.exponent == pytest.approx(slope)
-    assert math.log2(t.at_128) == pytest.approx(intercept)
+    assert math.log2(t.at_ref) == pytest.approx(intercept)
     assert t.alphas == pytest.approx(tuple(optima.values()))
+
+
+def test_the_lr_trend_is_the_power_of_the_lr_at_one_width():
+    grid = [0.5, 1, 2, 4, 8, 16, 32]
+    # the optimum halves as the lr doubles: alpha x lr constant, exponent -1
+    cells = [cell(128, bowl(8.0, grid), lr=1e-3), cell(128, bowl(4.0, grid), lr=2e-3),
+             cell(128, bowl(2.0, grid), lr=4e-3), cell(128, bowl(0.1, grid), lr=8e-3),
+             cell(256, bowl(6.0, grid), lr=1e-3)]  # another width, one lr: no lr trend there
+    trends = alpha_trends(cells)
+    assert [(t.axis, t.held) for t in trends] == [("width", 1e-3), ("lr", 128)]
+    t = trends[1]
+    assert t.xs == (1e-3, 2e-3, 4e-3)  # 8e-3's optimum lies beyond the grid: left out
+    assert t.exponent == pytest.approx(-1) and t.at_ref == pytest.approx(8.0)
+    assert t.alpha(8e-3) == pytest.approx(1.0)
+    text = "\n".join(scan_section(cells, [], "baseline", {}))
+    assert "- qid (d = 128): fitted optimum 8 at lr 0.001, 4 at lr 0.002, 2 at lr 0.004; " \
+           "alpha* = 8 x (lr / 1e-3)^-1.00 (least squares over 3 learning rates); " \
+           "alpha* x lr 0.008, 0.008, 0.008" in text
+    assert "- qid (lr 0.001): fitted optimum 8 at d = 128, 6 at d = 256; alpha* = 8 x " \
+           "(d / 128)^-0.42 (the line through two widths)" in text

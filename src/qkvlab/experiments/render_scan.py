@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qkvlab.experiments.render import gap_cells
-from qkvlab.experiments.scale_scan import ScanCell, TunedGap, alpha_trends
+from qkvlab.experiments.scale_scan import AlphaTrend, ScanCell, TunedGap, alpha_trends
 
 
 def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
@@ -32,12 +32,11 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
         fitted = "" if c.fitted is None else f"{c.fitted:.3g}"
         L.append(f"| {c.family} | {c.width} | {c.lr:g} | {' | '.join(row)} | "
                  f"{c.best.alpha:.3g}{edge} | {fitted} |")
-    for t in alpha_trends(cells):
-        at = ", ".join(f"{a:.3g} at d = {w}" for w, a in zip(t.widths, t.alphas, strict=True))
-        L += ["", f"- {t.family} (lr {t.lr:g}): fitted optimum {at}; alpha* = "
-                  f"{t.at_128:.3g} x (d / 128)^{t.exponent:+.2f}" + (
-                      " (the line through two widths)" if len(t.widths) == 2 else
-                      f" (least squares over {len(t.widths)} widths)")]
+    trends = alpha_trends(cells)
+    if trends:
+        L.append("")
+    for t in trends:
+        L.append(_trend_line(t))
     if "scale_scan" in plots:
         L += ["", f"![scale scan]({plots['scale_scan']})"]
     if tuned:
@@ -57,3 +56,20 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
         if "tuned_gap_width" in plots:
             L += ["", f"![tuned gap vs width]({plots['tuned_gap_width']})"]
     return L
+
+
+def _trend_line(t: AlphaTrend) -> str:
+    """One family's fitted optima along width or lr and the power through them."""
+    if t.axis == "width":
+        what, held, term, unit = "d = {:g}", f"lr {t.held:g}", "(d / 128)", "widths"
+    else:
+        what, held, term, unit = "lr {:g}", f"d = {t.held:g}", "(lr / 1e-3)", "learning rates"
+    at = ", ".join(f"{a:.3g} at {what.format(x)}" for x, a in zip(t.xs, t.alphas, strict=True))
+    how = (f"the line through two {unit}" if len(t.xs) == 2
+           else f"least squares over {len(t.xs)} {unit}")
+    product = ""
+    if t.axis == "lr":  # alpha x lr, the logits' step size under Adam: constant at exponent -1
+        product = "; alpha* x lr " + ", ".join(f"{a * x:.2g}" for x, a in
+                                                zip(t.xs, t.alphas, strict=True))
+    return (f"- {t.family} ({held}): fitted optimum {at}; alpha* = {t.at_ref:.3g} x "
+            f"{term}^{t.exponent:+.2f} ({how}){product}")

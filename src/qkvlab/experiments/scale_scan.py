@@ -12,7 +12,8 @@ same width and learning rate: the comparison of two arms each at its own scale. 
 picked on the scan's runs, which flatters each side a little; a best alpha at the end of its grid
 means the optimum may lie beyond it. Between grid points, the vertex of a parabola in log alpha
 through the best point and its neighbours estimates the optimum (`fitted`), and a power of the
-width fitted to those optima says how it moves (`alpha_trends`).
+width (at one lr) or of the lr (at one width) fitted to those optima says how it moves
+(`alpha_trends`).
 """
 
 from __future__ import annotations
@@ -74,20 +75,27 @@ class ScanCell:
                 "fitted_alpha": self.fitted, "points": [vars(p) for p in self.points]}
 
 
+# Where each trend is anchored: alpha* = at_ref (x / REFERENCE[axis])^exponent.
+REFERENCE = {"width": 128, "lr": 1e-3}
+
+
 @dataclass(frozen=True)
 class AlphaTrend:
-    """How one family's optimum moves with width at one lr: alpha* = at_128 (d / 128)^exponent,
-    least squares in log2 over the widths whose optimum the grid brackets (`fitted`)."""
+    """How one family's optimum moves along one axis with the other held: with the width (at one
+    lr) or with the learning rate (at one width). alpha* = at_ref (x / REFERENCE[axis])^exponent,
+    least squares in log2 over the values whose optimum the grid brackets (`fitted`); an lr
+    exponent of -1 means a constant alpha x lr."""
 
     family: str
-    lr: float
-    widths: tuple[int, ...]
-    alphas: tuple[float, ...]  # the fitted optimum at each width
+    axis: str  # "width" or "lr"
+    held: float  # the other axis' value: the lr of a width trend, the width of an lr trend
+    xs: tuple[float, ...]  # the widths or learning rates
+    alphas: tuple[float, ...]  # the fitted optimum at each
     exponent: float
-    at_128: float
+    at_ref: float
 
-    def alpha(self, width: int) -> float:
-        return self.at_128 * (width / 128) ** self.exponent
+    def alpha(self, x: float) -> float:
+        return self.at_ref * (x / REFERENCE[self.axis]) ** self.exponent
 
     def as_dict(self) -> dict[str, Any]:
         return vars(self)
@@ -160,22 +168,28 @@ def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
 
 
 def alpha_trends(cells: list[ScanCell]) -> list[AlphaTrend]:
-    """Per family and lr with a bracketed optimum at two or more widths, the power of the width
-    that fits them (two widths: the line through both)."""
-    found: dict[tuple[str, float], list[ScanCell]] = {}
+    """Per family, the power of the width that fits its bracketed optima at one lr, and the
+    power of the lr that fits them at one width, wherever two or more values have one (two: the
+    line through both). Width trends first."""
+    return [t for axis in REFERENCE for t in _trends(cells, axis)]
+
+
+def _trends(cells: list[ScanCell], axis: str) -> list[AlphaTrend]:
+    found: dict[tuple[str, float], list[tuple[float, float]]] = {}
     for c in cells:
         if c.fitted is not None:
-            found.setdefault((c.family, c.lr), []).append(c)
+            x, held = (c.width, c.lr) if axis == "width" else (c.lr, c.width)
+            found.setdefault((c.family, held), []).append((x, c.fitted))
     out = []
-    for (family, lr), cs in found.items():
-        cs = sorted(cs, key=lambda c: c.width)
-        if len(cs) < 2:
+    for (family, held), pts in found.items():
+        if len(pts) < 2:
             continue
-        xs = [math.log2(c.width / 128) for c in cs]
-        ys = [math.log2(c.fitted) for c in cs]
+        pts.sort()
+        xs = [math.log2(x / REFERENCE[axis]) for x, _ in pts]
+        ys = [math.log2(a) for _, a in pts]
         mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
         slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
                  / sum((x - mx) ** 2 for x in xs))
-        out.append(AlphaTrend(family, lr, tuple(c.width for c in cs),
-                              tuple(c.fitted for c in cs), slope, 2 ** (my - slope * mx)))
+        out.append(AlphaTrend(family, axis, held, tuple(x for x, _ in pts),
+                              tuple(a for _, a in pts), slope, 2 ** (my - slope * mx)))
     return out
