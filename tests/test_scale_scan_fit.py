@@ -99,3 +99,20 @@ def test_the_lr_trend_is_the_power_of_the_lr_at_one_width():
            "alpha* x lr 0.008, 0.008, 0.008" in text
     assert "- qid (lr 0.001): fitted optimum 8 at d = 128, 6 at d = 256; alpha* = 8 x " \
            "(d / 128)^-0.42 (the line through two widths)" in text
+
+
+@pytest.mark.parametrize("lrs, panels", [((1e-3,), 2), ((1e-3, 2e-3), 3)])
+def test_the_scan_plot_adds_an_lr_panel_when_the_lr_was_scanned(tmp_path, monkeypatch, lrs,
+                                                                  panels):
+    from qkvlab.experiments import plots
+
+    grid = [1, 2, 4, 8, 16]
+    cells = [cell(w, bowl(4.0 / (lr / 1e-3), grid), family=f, lr=lr)
+             for f in ("baseline", "qid") for w in (128, 256) for lr in lrs]
+    drawn = []
+    real = plots._best_alpha_panel
+    monkeypatch.setattr(plots, "_best_alpha_panel",
+                        lambda ax, cs, axis, *rest: drawn.append(axis) or real(ax, cs, axis, *rest))
+    plots.plot_scale_scan(cells, tmp_path / "scan.png")
+    assert drawn == ["width", "lr"][:panels - 1]
+    assert (tmp_path / "scan.png").stat().st_size > 5_000

@@ -195,49 +195,71 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
 
 
 def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
-    """Left: final validation loss against alpha, one line per family and width (the curves the
-    best alphas come from). Right: each family's best alpha against width (hollow: at the end
-    of its grid, so the optimum may lie beyond; x: the fitted optimum between grid points)."""
+    """Left: final validation loss against alpha, one line per family, width and lr (the curves
+    the best alphas come from). Then each family's best alpha against width, and where more
+    than one lr was scanned, against the lr (hollow: at the end of its grid, so the optimum may
+    lie beyond; x: the fitted optimum between grid points)."""
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    lrs = sorted({c.lr for c in cells})
+    fig, axes = plt.subplots(1, 3 if len(lrs) > 1 else 2, figsize=(16 if len(lrs) > 1 else 11, 4.5))
+    left = axes[0]
     fams = list(dict.fromkeys(c.family for c in cells))
     colors = variant_colors(fams)
     widths = sorted({c.width for c in cells})
     styles = dict(zip(widths, ["-", "--", ":", "-."] * 4, strict=False))
-    lrs = sorted({c.lr for c in cells})
     markers = dict(zip(lrs, "osD^v" * 4, strict=False))
-
-    def named(c: ScanCell) -> str:
-        return c.family + (f", lr {c.lr:g}" if len(lrs) > 1 else "")
-
     for c in cells:
         left.plot([p.alpha for p in c.points], [p.final for p in c.points],
                   marker=markers[c.lr], ls=styles[c.width], color=colors[c.family],
-                  label=f"{named(c)} d {c.width}")
+                  label=c.family + (f", lr {c.lr:g}" if len(lrs) > 1 else "") + f" d {c.width}")
         left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
-    lines = list(dict.fromkeys((c.family, c.lr) for c in cells))
-    for i, (fam, lr) in enumerate(lines):
-        nudge = 1 + 0.03 * i  # lines at the same best alpha stay visible side by side
-        mine = sorted((c for c in cells if (c.family, c.lr) == (fam, lr)), key=lambda c: c.width)
-        right.plot([c.width * nudge for c in mine], [c.best.alpha for c in mine],
-                   color=colors[fam], marker=markers[lr], mfc="none", label=named(mine[0]))
-        for c in mine:
-            right.plot([c.width * nudge], [c.best.alpha], marker=markers[lr], color=colors[fam],
-                       mfc="none" if c.edge else colors[fam])
-            if c.fitted is not None:
-                right.plot([c.width * nudge], [c.fitted], marker="x", ms=9, color=colors[fam])
     alphas = sorted({p.alpha for c in cells for p in c.points})
-    for ax, xs, xlabel in ((left, alphas, "alpha = scale x sqrt(d_k)"), (right, widths, "width d")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
-        _log_xlim(ax, xs)
-        ax.minorticks_off()
-        ax.set_xlabel(xlabel)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    right.set_yscale("log", base=2)
-    right.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
-    right.minorticks_off()
+    _log2_axis(left, alphas, "alpha = scale x sqrt(d_k)")
     left.set(ylabel="final val loss (mean over seeds)", title="loss against the logit scale")
-    right.set(ylabel="best alpha", title="best alpha against width (hollow: grid end; x: fitted)")
+    _best_alpha_panel(axes[1], cells, "width", colors, markers, alphas)
+    if len(lrs) > 1:
+        _best_alpha_panel(axes[2], cells, "lr", colors, styles, alphas)
     _save(plt, fig, path)
+
+
+def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, str],
+                      looks: dict, alphas: list[float]) -> None:
+    """Each family's best alpha against `axis` ("width" or "lr"), one line per value of the
+    other (its marker for the lr, its line style for the width)."""
+    def x_of(c: ScanCell) -> float:
+        return c.width if axis == "width" else c.lr
+
+    def held(c: ScanCell) -> float:
+        return c.lr if axis == "width" else c.width
+
+    lines = list(dict.fromkeys((c.family, held(c)) for c in cells))
+    for i, (fam, other) in enumerate(lines):
+        nudge = 1 + 0.03 * i  # lines at the same best alpha stay visible side by side
+        mine = sorted((c for c in cells if (c.family, held(c)) == (fam, other)), key=x_of)
+        look = {"marker": looks[other]} if axis == "width" else {"ls": looks[other], "marker": "o"}
+        label = f"{fam}, lr {other:g}" if axis == "width" else f"{fam}, d {other:g}"
+        ax.plot([x_of(c) * nudge for c in mine], [c.best.alpha for c in mine], color=colors[fam],
+                mfc="none", label=label, **look)
+        for c in mine:
+            ax.plot([x_of(c) * nudge], [c.best.alpha], marker=look["marker"], color=colors[fam],
+                    mfc="none" if c.edge else colors[fam])
+            if c.fitted is not None:
+                ax.plot([x_of(c) * nudge], [c.fitted], marker="x", ms=9, color=colors[fam])
+    xs = sorted({x_of(c) for c in cells})
+    _log2_axis(ax, xs, "width d" if axis == "width" else "learning rate")
+    ax.set_yscale("log", base=2)
+    ax.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
+    ax.minorticks_off()
+    ax.set(ylabel="best alpha",
+           title=f"best alpha against {'width' if axis == 'width' else 'lr'} "
+                 "(hollow: grid end; x: fitted)")
+
+
+def _log2_axis(ax, xs: list[float], label: str) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
+    _log_xlim(ax, xs)
+    ax.minorticks_off()
+    ax.set_xlabel(label)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
