@@ -58,7 +58,8 @@ SPEC=english-scale
 part_args() {  # the sweep arguments of one part of the study
     case $1 in
         d256) echo "--only baseline-d256,baseline-d256-alpha,q-identity-d256" \
-                   "--only baseline-d256-unit,q-identity-d256-unit" ;;
+                   "--only baseline-d256-unit,q-identity-d256-unit" \
+                   "--only baseline-d256-lr2x,q-identity-d256-lr2x" ;;
         k256) echo "--only k-identity-d256" ;;
         d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
         d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
@@ -67,7 +68,8 @@ part_args() {  # the sweep arguments of one part of the study
                     "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x,baseline-d128-lr4x-alpha" \
                     "--only q-identity-d128-lr2x-alpha,q-identity-d128-lr4x" \
                     "--only q-identity-d128-lr4x-alpha" \
-                    "--only baseline-d128-lr8x-alpha,q-identity-d128-lr8x-alpha" ;;
+                    "--only baseline-d128-lr8x-alpha,q-identity-d128-lr8x-alpha" \
+                    "--only baseline-d128-lr4x-wd,baseline-d128-lr8x-wd,q-identity-d128-lr4x-wd" ;;
         seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
                        "--only baseline-d128.scale0.125,baseline-d128.scale1" \
                        "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
