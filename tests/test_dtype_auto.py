@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 from helpers import tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.spec import parse_spec
+from qkvlab.experiments.spec import identity_diff, load_spec, parse_spec
 from qkvlab.run import device as device_module
 from qkvlab.run.config import load_config
 from qkvlab.run.device import fast_bf16, on_this_device, resolve_dtype
@@ -22,6 +23,7 @@ from qkvlab.train import train
 from test_variant_overrides import tiny_compare_args
 
 CPU = torch.device("cpu")
+ARCHIVE = Path(__file__).resolve().parents[1] / "docs" / "results" / "sweeps"
 
 
 def cpu_with(monkeypatch, **flags: bool) -> None:
@@ -64,9 +66,10 @@ def test_a_named_dtype_is_kept_whatever_the_device(monkeypatch, dtype):
 
 
 def test_the_cpu_presets_leave_the_dtype_to_the_machine():
-    for preset in ("compare-quick", "compare-long", "shakespeare-char",
-                   "shakespeare-char-llama"):
+    for preset in ("shakespeare-char", "shakespeare-char-qidentity", "shakespeare-char-llama"):
         assert load_config(preset).train.dtype == "auto", preset
+    # the base of the sweeps archived in bf16 keeps it: their records resolve as they were made
+    assert load_config("compare-quick").train.dtype == "bf16"
     with pytest.raises(QkvlabError, match="train.dtype must be one of auto, bf16, fp32"):
         load_config("shakespeare-char", ["train.dtype=fp16"])
 
@@ -105,7 +108,7 @@ SPEC = """
 [spec]
 name = "dtypes"
 base = "compare-quick"
-set = ["train.max_steps=2"]
+set = ["train.max_steps=2", "train.dtype=auto"]
 
 [[variant]]
 name = "base"
@@ -132,12 +135,28 @@ def test_a_sweep_group_holds_the_dtype_its_runs_train_with(monkeypatch, native):
     assert moved["wq"].fingerprint == groups["wq"].fingerprint
 
 
-def test_compare_says_the_dtype_each_variant_trains_with(data_dir, tmp_path, monkeypatch,
-                                                         capsys):
+def test_compare_trains_in_auto_and_says_the_dtype_of_each_variant(data_dir, tmp_path,
+                                                                    monkeypatch, capsys):
     bf16_native(monkeypatch, False)
     out = tmp_path / "cmp"
-    assert main(tiny_compare_args(data_dir, out, "train.dtype=auto")) == 0
+    args = tiny_compare_args(data_dir, out)
+    at = args.index("train.dtype=fp32")
+    del args[at - 1:at + 1]  # the --set and its value
+    assert main(args) == 0  # no dtype named: the preset's bf16 becomes "auto", fp32 here
     said = capsys.readouterr().out
     assert "weight decay 0.1, fp32" in said and "weight decay 0.03125, fp32" in said
     rows = json.loads((out / "compare.json").read_text())
     assert {r["dtype"] for r in rows} == {"fp32"}
+    assert main(tiny_compare_args(data_dir, tmp_path / "named", "train.dtype=bf16")) == 0
+    assert "weight decay 0.1, bf16" in capsys.readouterr().out  # a named dtype is kept
+
+
+@pytest.mark.parametrize("sweep", sorted(p.name for p in ARCHIVE.iterdir() if p.is_dir()))
+@pytest.mark.parametrize("native", [False, True])
+def test_every_archived_sweep_still_resolves_as_recorded(monkeypatch, sweep, native):
+    bf16_native(monkeypatch, native)  # whatever "auto" would pick on this machine
+    record = json.loads((ARCHIVE / sweep / "sweep.json").read_text())
+    for g in load_spec(ARCHIVE / sweep).groups():
+        old = record["groups"].get(g.name)
+        if old is not None:  # a group of the spec that has not run has no record
+            assert not identity_diff(old["identity"], g.identity), g.name

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 
     from qkvlab.run.config import RunConfig
 
+# before the user's --set, which may name another dtype (run/device.py: what "auto" picks)
+DTYPE_DEFAULT = "train.dtype=auto"
+
 
 @dataclass
 class CompareOptions:
@@ -65,7 +68,10 @@ def run_compare(opts: CompareOptions) -> int:
     from qkvlab.run.config import load_config
 
     opts.validate()
-    overrides = list(opts.overrides)
+    # The presets' bf16 stays as the sweeps built on compare-quick recorded it; the job itself
+    # trains in bf16 only where bf16 matmuls are native (elsewhere they are emulated, ~100x
+    # slower), unless the user names a dtype.
+    overrides = [DTYPE_DEFAULT] + list(opts.overrides)
     if opts.steps is not None:
         overrides.append(f"train.max_steps={opts.steps}")
     if opts.seed is not None:
