@@ -258,10 +258,11 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
 
 def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     """On a hyperparameter axis (the learning rate), each family at its own best value (lowest
-    mean final validation loss) against the reference's family at its best, the other trend
-    settings equal: is the gap a mismatch of that hyperparameter? Empty unless the reference
-    family and another family both span two or more values (groups that differ elsewhere, an
-    attention-scale scan, compete with their value's other groups: the best of both settings)."""
+    mean final validation loss, `best_group`) against the reference's family at its best, the
+    other trend settings equal: is the gap a mismatch of that hyperparameter? Empty unless the
+    reference family and another family both span two or more values (groups that differ
+    elsewhere, an attention-scale scan, compete with their value's other groups: the best of
+    both settings)."""
     fam, at = rep.baseline.group.family, TREND_AXES.index(axis)
     if not axis.tuned:
         return []
@@ -276,7 +277,7 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
         spans = [{_settings(g)[at] for g in c} for c in (gs, refs)]
         if family == fam or min(len(v) for v in spans) < 2:
             continue
-        best, ref = (min(c, key=lambda g: g.loss.mean) for c in (gs, refs))
+        best, ref = best_group(gs), best_group(refs)
         w = setting_gap(best, ref, at)
         if w is not None:
             w.reference_value = _settings(ref)[at]
@@ -284,6 +285,19 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
                 (best, [_settings(g)[at] for g in gs]), (ref, [_settings(g)[at] for g in refs])))
             gaps.append(w)
     return _holm_sorted(gaps)
+
+
+def best_group(groups: list[GroupResult]) -> GroupResult:
+    """The group with the lowest mean final validation loss over the seeds every one of them
+    finished, so that seeds added later to a few groups measure the choice without changing
+    it; over each group's own seeds where they share none."""
+    finals = [{r.seed: r.final_loss for r in g.runs
+               if r.status == "done" and r.final_loss is not None} for g in groups]
+    shared = set.intersection(*(set(f) for f in finals))
+    if not shared:
+        return min(groups, key=lambda g: g.loss.mean)
+    by_shared = [sum(f[s] for s in shared) / len(shared) for f in finals]
+    return groups[by_shared.index(min(by_shared))]
 
 
 def setting_gap(g: GroupResult, ref: GroupResult | None, at: int) -> SettingGap | None:
@@ -434,26 +448,24 @@ def grid_families(rep: Report, key: str) -> dict[str, list[GroupResult]]:
     """The rows of the optim.<key> view (a weight-decay or lr grid): one per family and setting
     of the other trend axes (width, and the lr when `key` is not it) that spans two or more values
     of `key`, in spec order, labelled by family (and the settings that tell its rows apart); each
-    holds, per value, the group with the lowest mean final loss there (an attention-scale scan
-    offers several), by value. Empty when no row spans two values."""
+    holds, per value, the best of its groups there (`best_group`: an attention-scale scan offers
+    several; a value without a finished run keeps its first group), by value. Empty when no row
+    spans two values."""
     axes = [i for i, a in enumerate(TREND_AXES) if (a.section, a.key) != ("optim", key)]
-    rows: dict[tuple[Any, ...], dict[float, GroupResult]] = {}
+    rows: dict[tuple[Any, ...], dict[float, list[GroupResult]]] = {}
     for g in rep.groups:
         s = _settings(g)
         row = rows.setdefault((g.group.family, *(s[i] for i in axes)), {})
-        v = getattr(g.group.config.optim, key)
-        if v not in row or _lower_loss(g, row[v]):
-            row[v] = g
-    spans = {k: [row[v] for v in sorted(row)] for k, row in rows.items() if len(row) > 1}
+        row.setdefault(getattr(g.group.config.optim, key), []).append(g)
+    spans = {k: [_best_finished(row[v]) for v in sorted(row)]
+             for k, row in rows.items() if len(row) > 1}
     varies = [j for j in range(len(axes)) if len({k[1 + j] for k in spans}) > 1]
     return {_row_label(k, [axes[j] for j in varies], varies): gs for k, gs in spans.items()}
 
 
-def _lower_loss(g: GroupResult, than: GroupResult) -> bool:
-    """g has finished runs and a lower mean final loss (or the other has none)."""
-    if not g.loss.n:
-        return False
-    return not than.loss.n or g.loss.mean < than.loss.mean
+def _best_finished(groups: list[GroupResult]) -> GroupResult:
+    done = [g for g in groups if g.loss.n]
+    return best_group(done) if done else groups[0]
 
 
 def _row_label(key: tuple[Any, ...], axes: list[int], at: list[int]) -> str:
