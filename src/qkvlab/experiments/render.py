@@ -315,7 +315,8 @@ def _grid_section(key: str, title: str, fams: dict[str, list[GroupResult]],
               "evidence on that claim.", ""]
     L += ["Final validation loss, mean +- std over seeds (n). A row is a family at one setting "
           "of the other axes; where several of its groups ran at one value (an attention-scale "
-          "scan), the cell is the one with the lowest mean, its alpha in brackets when the "
+          "scan), the cell is the one with the lowest mean over the seeds they all finished, its "
+          "alpha in brackets when the "
           "row's cells differ in it.", ""]
     values = sorted({getattr(g.group.config.optim, key) for gs in fams.values() for g in gs})
     L.append("| family | " + " | ".join(f"{key} {v:g}" for v in values) + " |")
@@ -457,7 +458,9 @@ def _tuned_section(rep: Report, axis: TrendAxis) -> list[str]:
     fam = rep.baseline.group.family
     alpha = {g.group.name: g.group.config.model.alpha for g in rep.groups}
     L = ["", f"## Each family at its own best {axis.name}", "",
-         f"Each family at the {axis.name} with its lowest mean final validation loss, against "
+         f"Each family at the {axis.name} with its lowest mean final validation loss (over the "
+         "seeds all its groups finished, so that seeds added to a few measure the choice "
+         "without changing it), against "
          f"the {fam} family at its own best {axis.name}, paired by seed (as above). Every group "
          "of a family at the other settings competes, so where alpha was scanned too this is "
          f"the best {axis.name} and alpha together. The best value is picked on these same "
