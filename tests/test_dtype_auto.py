@@ -48,6 +48,20 @@ def test_a_cpu_has_native_bf16_only_with_bf16_instructions(monkeypatch, flags, n
     assert resolve_dtype("auto", CPU) == ("bf16" if native else "fp32")
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_a_gpu_has_native_bf16_where_torch_says_so_without_emulation(monkeypatch, native):
+    asked = []
+
+    def supported(including_emulation: bool = True) -> bool:
+        asked.append(including_emulation)
+        return native
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    assert resolve_dtype("auto", torch.device("cuda")) == ("bf16" if native else "fp32")
+    assert asked == [False]  # an emulated bf16 is no faster than fp32
+    assert not fast_bf16(torch.device("meta"))  # nor is another device's
+
+
 def test_a_torch_without_get_capabilities_asks_its_older_probes(monkeypatch):
     monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
