@@ -133,7 +133,6 @@ def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, con
 def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
     """A line with the expected wall time of the runs still to train, from the speed of a few
     training steps of the first one's model on this machine (evaluation included)."""
-
     from qkvlab.bench.workloads import TrainBench
     from qkvlab.perf import torch_dtype
     from qkvlab.run.device import resolve_device
