@@ -59,7 +59,8 @@ part_args() {  # the sweep arguments of one part of the study
     case $1 in
         d256) echo "--only baseline-d256,baseline-d256-alpha,q-identity-d256" \
                    "--only baseline-d256-unit,q-identity-d256-unit" \
-                   "--only baseline-d256-lr2x,q-identity-d256-lr2x" ;;
+                   "--only baseline-d256-lr2x,q-identity-d256-lr2x" \
+                   "--only baseline-d256-lr4x,q-identity-d256-lr4x" ;;
         k256) echo "--only k-identity-d256" ;;
         d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
         d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
