@@ -164,6 +164,11 @@ grid = { lr = [0.004] }
     ref = (runs[(base, 1)] + runs[(base, 2)]) / 2
     assert tuned["relative_pct"] == pytest.approx(50 * sum(d) / ref)
     assert "## Each family at its own best lr" in text and "optimum may lie beyond" in text
+    findings = text.split("## What the data shows")[1].split("## Variants")[0]
+    (line,) = [ln for ln in findings.splitlines() if "at its own best lr" in ln]
+    assert line.startswith("- Each family at its own best lr (d = ") and "**qid** at lr" in line
+    assert f"{tuned['relative_pct']:+.3f}%" in line and "over 2 seeds" in line
+    assert "end of the values run" in line  # tuned["at_edge"]
     assert f" | 0.5 | {qid} | " in text and f" | 1 | {base} | " in text  # the alphas (paper: 0.5)
     assert "width_tuned_gaps" not in data  # a width is not tuned per model
 

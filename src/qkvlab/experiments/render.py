@@ -104,6 +104,28 @@ def verdicts(rep: Report) -> list[str]:
     return lines
 
 
+def tuned_verdicts(rep: Report) -> list[str]:
+    """One line per tuned comparison (each family at its own best hyperparameter, and alpha
+    where a scan ran too, against the reference family at its best): a sweep's answer when the
+    spec's reference cell alone would not be a fair one."""
+    groups = {g.group.name: g.group.config for g in rep.groups}
+    lines = []
+    for axis in TREND_AXES:
+        for w in rep.tuned_gaps.get(axis.name, []):
+            cfg, ref = groups[w.group], groups[w.reference]
+            r = w.result
+            edge = f"; a best {axis.name} lies at the end of the values run" if w.edge else ""
+            lines.append(
+                f"Each family at its own best {axis.name} (d = {cfg.model.n_embd}): "
+                f"**{w.family}** at {axis.name} {w.value:g} and alpha {cfg.model.alpha:.3g} "
+                f"against {rep.baseline.group.family} at {axis.name} {w.reference_value:g} "
+                f"and alpha {ref.model.alpha:.3g}: "
+                + (f"{_pct(r.rel_pct)} {_pct_ci(r.rel_ci)} over {r.test.n} seeds "
+                   f"(p {_p(r.test.p)})" if r.test.n > 1 else
+                   f"{_pct(r.rel_pct)} on one seed (no interval)") + f"{edge}.")
+    return lines
+
+
 def _pm(s: Summary, fmt: str = ".4f") -> str:
     if s.mean is None:
         return "n/a"
@@ -202,7 +224,7 @@ def _findings(rep: Report) -> list[str]:
     L.append(f"{n_done} of {n_all} runs finished. {role}: **{base.group.name}**, final "
              f"validation loss {_pm(base.loss)} over {base.loss.n} seed(s).")
     L.append("")
-    L += [f"- {line}" for line in verdicts(rep)]
+    L += [f"- {line}" for line in tuned_verdicts(rep) + verdicts(rep)]
     fails = [r for r in rep.runs() if r.status == "failed"]
     if fails:
         why = ["diverged" if r.diverged else r.error[:80] for r in fails]
