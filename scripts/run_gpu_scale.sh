@@ -63,7 +63,8 @@ part_args() {  # the sweep arguments of one part of the study
                    "--only baseline-d256-lr4x,q-identity-d256-lr4x" ;;
         k256) echo "--only k-identity-d256" ;;
         d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
-        d384) echo "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
+        d384) echo "--only baseline-d384-fitted,q-identity-d384-fitted" \
+                   "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
         lr128) echo "--only baseline-d128-lr0.5x,baseline-d128-lr2x" \
                     "--only q-identity-d128-lr0.5x,q-identity-d128-lr2x" \
                     "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x,baseline-d128-lr4x-alpha" \

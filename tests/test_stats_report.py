@@ -293,6 +293,52 @@ grid = { attn_scale = [0.1, 0.7] }
     assert (rep / "tuned_gap_vs_width.png").stat().st_size > 5_000
 
 
+def test_a_named_rule_is_paired_with_the_baseline_under_the_same_rule(tmp_path, data_dir):
+    """A held-out width (32) where both arms run the "fitted" rule beside a scan at 16: each
+    side at the alpha the rule gives its shape, paired by seed."""
+    import math
+
+    from qkvlab.model.scale import attention_scale
+
+    data, text, _ = sweep_report(tmp_path, data_dir, """
+[[variant]]
+name = "qid-a"
+family = "qid"
+rule = "q-identity"
+grid = { attn_scale = [0.1, 0.7] }
+
+[[variant]]
+name = "baseline-held"
+family = "baseline"
+rule = "baseline"
+n_embd = 32
+attn_scale = "fitted"
+
+[[variant]]
+name = "qid-held"
+family = "qid"
+rule = "q-identity"
+n_embd = 32
+attn_scale = "fitted"
+""")
+    runs = {(r["group"], r["seed"]): r["final_val_loss"] for r in data["runs"]}
+    (r,) = [g for g in data["scale_rule_gaps"] if g["rule"] == "fitted"]
+    assert (r["family"], r["width"], r["group"], r["reference"]) == (
+        "qid", 32, "qid-held", "baseline-held")
+    d_k = 16  # 2 heads of 16
+    for key, projection in (("alpha", "q-identity"), ("reference_alpha", "baseline")):
+        want = attention_scale("fitted", projection, 32, d_k, 0.02) * math.sqrt(d_k)
+        assert r[key] == pytest.approx(want)
+    diffs = [runs[("qid-held", s)] - runs[("baseline-held", s)] for s in (1, 2)]
+    ref = (runs[("baseline-held", 1)] + runs[("baseline-held", 2)]) / 2
+    assert r["relative_pct"] == pytest.approx(50 * sum(diffs) / ref)
+    # the spec's own pair runs the default rule, "paper", at d = 16: paired under it too
+    assert {(g["rule"], g["width"]) for g in data["scale_rule_gaps"]} == {("fitted", 32),
+                                                                          ("paper", 16)}
+    assert "### Named scale rules against baseline under the same rule" in text
+    assert "| fitted | qid | 32 |" in text
+
+
 def test_a_scan_picks_each_best_alpha_on_the_seeds_all_its_alphas_share(tmp_path, data_dir):
     """Seeds added to some alphas later (stage 2) measure the best alpha; they do not pick it."""
     import shutil

@@ -14,7 +14,7 @@ from qkvlab.experiments.results import (
     mean_band,
     rel_curves,
 )
-from qkvlab.experiments.scale_scan import ScanCell
+from qkvlab.experiments.scale_scan import ScanCell, alpha_trends
 
 
 def _pyplot():
@@ -198,7 +198,8 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     """Left: final validation loss against alpha, one line per family, width and lr (the curves
     the best alphas come from). Then each family's best alpha against width, and where more
     than one lr was scanned, against the lr (hollow: at the end of its grid, so the optimum may
-    lie beyond; x: the fitted optimum between grid points)."""
+    lie beyond; x: the fitted optimum between grid points; dotted: the power of the width or lr
+    fitted to those optima, `alpha_trends`)."""
     plt = _pyplot()
     lrs = sorted({c.lr for c in cells})
     fig, axes = plt.subplots(1, 3 if len(lrs) > 1 else 2, figsize=(16 if len(lrs) > 1 else 11, 4.5))
@@ -246,13 +247,17 @@ def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, st
             if c.fitted is not None:
                 ax.plot([x_of(c) * nudge], [c.fitted], marker="x", ms=9, color=colors[fam])
     xs = sorted({x_of(c) for c in cells})
+    span = [xs[0] * (xs[-1] / xs[0]) ** (i / 24) for i in range(25)]
+    for t in alpha_trends(cells):  # the fitted power, dotted, across the whole axis
+        if t.axis == axis:
+            ax.plot(span, [t.alpha(x) for x in span], ls=":", lw=1, color=colors[t.family])
     _log2_axis(ax, xs, "width d" if axis == "width" else "learning rate")
     ax.set_yscale("log", base=2)
     ax.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
     ax.minorticks_off()
     ax.set(ylabel="best alpha",
-           title=f"best alpha against {'width' if axis == 'width' else 'lr'} "
-                 "(hollow: grid end; x: fitted)")
+           title=f"best alpha against {'width' if axis == 'width' else 'lr'}\n"
+                 "(hollow: grid end; x: fitted; dotted: their power)")
 
 
 def _log2_axis(ax, xs: list[float], label: str) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from qkvlab.experiments.render import gap_cells
-from qkvlab.experiments.scale_scan import AlphaTrend, ScanCell, TunedGap, alpha_trends
+from qkvlab.experiments.scale_scan import AlphaTrend, RuleGap, ScanCell, TunedGap, alpha_trends
 
 
 def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
-                 plots: dict[str, str]) -> list[str]:
-    """The loss at each alpha, each family's best alpha per width, and the tuned gap."""
+                 plots: dict[str, str], rules: Sequence[RuleGap] = ()) -> list[str]:
+    """The loss at each alpha, each family's best alpha per width, the tuned gap, and each
+    named scale rule against the reference under the same rule."""
     if not cells:
         return []
     alphas = sorted({p.alpha for c in cells for p in c.points})
@@ -55,6 +58,25 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
                      f"{', '.join(map(str, t.gap.result.seeds))} | {gap_cells(t.gap)} |")
         if "tuned_gap_width" in plots:
             L += ["", f"![tuned gap vs width]({plots['tuned_gap_width']})"]
+    return L + _rule_table(rules, ref)
+
+
+def _rule_table(rules: Sequence[RuleGap], ref: str) -> list[str]:
+    """The named rules (`model.attn_scale = "unit"`, ...): each family under a rule against
+    `ref` under the same rule, each with the alpha the rule gives its shape."""
+    if not rules:
+        return []
+    L = ["", f"### Named scale rules against {ref} under the same rule", "",
+         "Each side at the alpha the rule gives its shape; paired by seed, as % of "
+         f"{ref}'s loss. At a width the rule's constants were not fitted on, this is its "
+         "held-out test.", "",
+         f"| rule | family | d | lr | alpha | {ref} alpha | seeds | final | 95% CI | p "
+         "| p (Holm) | best | 95% CI | train | 95% CI |",
+         "|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|"]
+    for r in rules:
+        L.append(f"| {r.rule} | {r.gap.family} | {r.gap.value:g} | {r.lr:g} | {r.alpha:.3g} | "
+                 f"{r.reference_alpha:.3g} | {', '.join(map(str, r.gap.result.seeds))} | "
+                 f"{gap_cells(r.gap)} |")
     return L
 
 

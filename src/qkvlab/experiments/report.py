@@ -50,7 +50,13 @@ from qkvlab.experiments.results import (
     pick_reference,
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
-from qkvlab.experiments.scale_scan import TunedGap, alpha_trends, scan_cells, tuned_gaps
+from qkvlab.experiments.scale_scan import (
+    TunedGap,
+    alpha_trends,
+    rule_gaps,
+    scan_cells,
+    tuned_gaps,
+)
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -149,6 +155,8 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
         "scale_scan": [c.as_dict() for c in cells],
         "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep, cells)],
         "alpha_trends": [t.as_dict() for t in alpha_trends(cells)],
+        # in a scale scan only: elsewhere every group runs a rule ("paper" by default)
+        "scale_rule_gaps": [r.as_dict() for r in rule_gaps(rep)] if cells else [],
         "runs": [r.as_dict() for r in rep.runs()],
     }
 
@@ -191,6 +199,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
         plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
     write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
     path = out / "report.md"
-    scan = scan_section(cells, tuned, rep.baseline.group.family, plots)
+    rules = rule_gaps(rep) if cells else []
+    scan = scan_section(cells, tuned, rep.baseline.group.family, plots, rules)
     write_text_atomic(path, render_markdown(rep, command, plots, scan))
     return path

@@ -13,7 +13,9 @@ picked on the scan's runs, which flatters each side a little; a best alpha at th
 means the optimum may lie beyond it. Between grid points, the vertex of a parabola in log alpha
 through the best point and its neighbours estimates the optimum (`fitted`), and a power of the
 width (at one lr) or of the lr (at one width) fitted to those optima says how it moves
-(`alpha_trends`).
+(`alpha_trends`). A group whose scale is a named rule (`model.attn_scale = "unit"`, `"fitted"`)
+is also paired with the reference family's group under the same rule at the same width and lr
+(`rule_gaps`): at a width the rule was not fitted on, that is the rule's held-out test.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any
 
 from qkvlab.experiments.results import GroupResult, Report, SettingGap, setting_gap
 from qkvlab.experiments.runs import RunData
+from qkvlab.model.scale import alpha_of
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,23 @@ class TunedGap:
                 "at_edge": self.cell.edge or self.reference.edge, **self.gap.as_dict()}
 
 
+@dataclass(frozen=True)
+class RuleGap:
+    """A family under a named scale rule against the reference family under the same rule, at
+    one width and lr; each side's alpha as the rule resolved it for its shape."""
+
+    rule: str
+    alpha: float
+    reference_alpha: float
+    lr: float
+    gap: SettingGap  # value = the width
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"rule": self.rule, "family": self.gap.family, "width": self.gap.value,
+                "lr": self.lr, "alpha": self.alpha, "reference_alpha": self.reference_alpha,
+                "group": self.gap.group, "reference": self.gap.reference, **self.gap.as_dict()}
+
+
 def _key(g: GroupResult) -> tuple[str, int, float]:
     cfg = g.group.config
     return g.group.family, cfg.model.n_embd, cfg.optim.lr
@@ -165,6 +185,30 @@ def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
         if w is not None:
             out.append(TunedGap(c, ref, w))
     return sorted(out, key=lambda t: (t.cell.family, t.cell.width, t.cell.lr))
+
+
+def _rule_of(g: GroupResult) -> str | None:
+    setting = g.group.config.model.attn_scale
+    return setting if isinstance(setting, str) and alpha_of(setting) is None else None
+
+
+def rule_gaps(rep: Report) -> list[RuleGap]:
+    """Each group whose scale is a named rule against the reference family's group under that
+    rule at the same width and lr, paired by seed; by rule, family, then width."""
+    fam = rep.baseline.group.family
+    refs = {(_rule_of(g), *_key(g)[1:]): g for g in rep.groups
+            if g.group.family == fam and _rule_of(g) is not None and _done(g)}
+    out = []
+    for g in rep.groups:
+        rule = _rule_of(g)
+        ref = refs.get((rule, *_key(g)[1:]))
+        if rule is None or g.group.family == fam or ref is None:
+            continue
+        w = setting_gap(g, ref, 0)  # axis 0: the width
+        if w is not None:
+            out.append(RuleGap(rule, g.group.config.model.alpha, ref.group.config.model.alpha,
+                               g.group.config.optim.lr, w))
+    return sorted(out, key=lambda r: (r.rule, r.gap.family, r.gap.value, r.lr))
 
 
 def alpha_trends(cells: list[ScanCell]) -> list[AlphaTrend]:

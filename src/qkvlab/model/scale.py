@@ -50,6 +50,27 @@ def _unit(projection: str, d: int, d_k: int, init_std: float) -> float:
     return _standard(projection, d, d_k, init_std) / (q * k)
 
 
+def projected_sides(projection: str) -> int:
+    """How many of the logit's two factors (query, key) leave the norm through a learned
+    projection: 2, or 1 where the query or the key is the identity (the nonlinear query, whose
+    (x + f(x)) / 2 keeps the identity's term, counts as one, as in `unit`)."""
+    return 1 if projection in (*IDENTITY_QK, "nonlinear-q") else 2
+
+
+# The english scan's optimum at lr 1e-3 (docs/results, english-scale: the fitted optimum between
+# grid points; 4 layers, d_k = 64, 2,500 steps of 4,096 byte tokens) as alpha = A (128 / d)^n,
+# by projected sides: (A, n), each the line through its optima at d = 128 and 256.
+FITTED_OPTIMUM: dict[int, tuple[float, float]] = {2: (9.97, 2.0), 1: (4.74, 1.0)}
+
+
+def _fitted(projection: str, d: int, d_k: int, init_std: float) -> float:
+    # Adam moves every weight by about lr a step whatever its size, and the moves of a learned
+    # projection add up along its d inputs, so a side's logit factor grows with d during
+    # training: the more projected sides, the faster the best scale falls with width.
+    alpha_128, power = FITTED_OPTIMUM[projected_sides(projection)]
+    return alpha_128 * (128 / d) ** power / math.sqrt(d_k)
+
+
 @dataclass(frozen=True)
 class ScaleRule:
     """How a rule turns the model's shape into its scale."""
@@ -67,6 +88,8 @@ SCALE_RULES: dict[str, ScaleRule] = {
     "learned": ScaleRule(_matched, learned=True),  # starts at "matched", learns a gain per head
     # the logits of every scheme start with unit std, at any width and init_std
     "unit": ScaleRule(_unit),
+    # the best alpha the english scan measured at lr 1e-3, carried across widths as d^-sides
+    "fitted": ScaleRule(_fitted),
 }
 
 
