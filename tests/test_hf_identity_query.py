@@ -80,7 +80,7 @@ def test_learned_gain_adds_one_parameter_per_head_and_no_decay_under_trainer():
     assert "model.layers.0.self_attn.k_proj.weight" in decay
 
 
-@pytest.mark.parametrize("setting", ["paper", "standard", "matched", 0.3])
+@pytest.mark.parametrize("setting", ["paper", "standard", "matched", "fitted", 0.3])
 def test_the_scale_follows_qkvlab_rules(setting):
     model = llama()
     report = identity_query(model, scale=setting)
