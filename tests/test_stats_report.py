@@ -231,6 +231,15 @@ def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each
     assert "alpha" not in "".join(rows["qid d 16"])
 
 
+QID_SCAN = """
+[[variant]]
+name = "qid-a"
+family = "qid"
+rule = "q-identity"
+grid = { attn_scale = [0.1, 0.7] }
+"""  # W_Q = I's scan at d = 16, two alphas
+
+
 def test_a_scale_scan_reports_each_arms_best_alpha_and_the_tuned_gap(tmp_path, data_dir):
     """Both arms scan attn_scale at two widths (n_embd 16: 2 heads of 8; 32: 2 heads of 16)."""
     import math
@@ -241,13 +250,7 @@ name = "baseline-a"
 family = "baseline"
 rule = "baseline"
 grid = { attn_scale = [0.7, 2.0] }
-
-[[variant]]
-name = "qid-a"
-family = "qid"
-rule = "q-identity"
-grid = { attn_scale = [0.1, 0.7] }
-
+""" + QID_SCAN + """
 [[variant]]
 name = "baseline-wide"
 family = "baseline"
@@ -300,13 +303,7 @@ def test_a_named_rule_is_paired_with_the_baseline_under_the_same_rule(tmp_path, 
 
     from qkvlab.model.scale import attention_scale
 
-    data, text, _ = sweep_report(tmp_path, data_dir, """
-[[variant]]
-name = "qid-a"
-family = "qid"
-rule = "q-identity"
-grid = { attn_scale = [0.1, 0.7] }
-
+    data, text, _ = sweep_report(tmp_path, data_dir, QID_SCAN + """
 [[variant]]
 name = "baseline-held"
 family = "baseline"
