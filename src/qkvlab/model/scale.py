@@ -59,7 +59,8 @@ def projected_sides(projection: str) -> int:
 
 # The english scan's optimum at lr 1e-3 (docs/results, english-scale: the fitted optimum between
 # grid points; 4 layers, d_k = 64, 2,500 steps of 4,096 byte tokens) as alpha = A (128 / d)^n,
-# by projected sides: (A, n), each the line through its optima at d = 128 and 256.
+# by projected sides: (A, n), A the optimum at d = 128 and n the count of projected sides (from
+# d = 128 to 256 the measured powers are 2.00 for the baseline and 1.13 for W_Q = I).
 FITTED_OPTIMUM: dict[int, tuple[float, float]] = {2: (9.97, 2.0), 1: (4.74, 1.0)}
 
 
