@@ -338,6 +338,13 @@ def test_archiving_two_sweeps_of_one_spec_merges_their_records(data_dir, tmp_pat
     assert set(record["groups"]) == {"baseline", "q-identity"}
     assert main(["archive", str(two), str(arch)]) == 0  # again: nothing doubled
     assert json.loads((arch / "sweep.json").read_text())["sessions"] == record["sessions"]
+    # a group the archive never ran, since dropped from the spec, leaves with the next archive
+    stale = json.loads((arch / "sweep.json").read_text())
+    stale["groups"]["dropped"] = stale["groups"]["q-identity"]
+    (arch / "sweep.json").write_text(json.dumps(stale), encoding="utf-8")
+    assert main(["archive", str(one), str(arch)]) == 0
+    assert set(json.loads((arch / "sweep.json").read_text())["groups"]) == {
+        "baseline", "q-identity"}
     assert main(["report", str(arch), "--out", str(tmp_path / "rep")]) == 0
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
     assert {(r["group"], r["status"]) for r in rows if r["seed"] == 1} == {

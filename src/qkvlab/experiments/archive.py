@@ -56,13 +56,15 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
 
 def _merged_record(src: Path, dest: Path) -> dict[str, Any] | None:
     """The sweep record of an archive that already holds one (of the same spec): src's record
-    with dest's groups that src lacks and dest's sessions before src's new ones; None when
-    dest has none."""
+    with dest's groups that src lacks but dest holds runs of, and dest's sessions before src's
+    new ones; None when dest has none. (A group dest never ran and src lacks was dropped by an
+    edit of the spec: kept, it would be reported as pending for ever.)"""
     theirs = read_json_record(dest / SWEEP_FILE)
     if theirs is None:
         return None
     mine = dict(read_json_record(src / SWEEP_FILE) or {})
-    mine["groups"] = {**theirs.get("groups", {}), **mine.get("groups", {})}
+    ran = {name: g for name, g in theirs.get("groups", {}).items() if (dest / name).is_dir()}
+    mine["groups"] = {**ran, **mine.get("groups", {})}
     old = theirs.get("sessions", [])
     mine["sessions"] = old + [s for s in mine.get("sessions", []) if s not in old]
     created = [c for c in (theirs.get("created"), mine.get("created")) if c]
