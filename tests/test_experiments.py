@@ -345,6 +345,14 @@ def test_archiving_two_sweeps_of_one_spec_merges_their_records(data_dir, tmp_pat
     assert main(["archive", str(one), str(arch)]) == 0
     assert set(json.loads((arch / "sweep.json").read_text())["groups"]) == {
         "baseline", "q-identity"}
+    # a sweep launched before the archive's last one keeps the archive's spec copy
+    (one / "spec.toml").write_text("# an older spec\n", encoding="utf-8")
+    early = json.loads((one / "sweep.json").read_text())
+    early["sessions"][-1]["started"] = "2000-01-01T00:00:00+00:00"
+    (one / "sweep.json").write_text(json.dumps(early), encoding="utf-8")
+    assert main(["archive", str(one), str(arch)]) == 0
+    assert (arch / "spec.toml").read_text() == (two / "spec.toml").read_text()
+    assert json.loads((arch / "sweep.json").read_text())["fingerprint"] == record["fingerprint"]
     assert main(["report", str(arch), "--out", str(tmp_path / "rep")]) == 0
     rows = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
     assert {(r["group"], r["status"]) for r in rows if r["seed"] == 1} == {

@@ -7,7 +7,9 @@ from the copy, and `qkvlab sweep DEST` sees its finished runs as done. With `fin
 (`--finished`) a sweep still training is archived without its unfinished runs, so a grid that
 takes days can commit each run's records as it completes. Into an archive of the same spec (runs
 of one grid trained on two machines, say) the sweep record is merged: the groups of both, and
-every session of both, so the archive keeps how each of its runs was launched.
+every session of both, so the archive keeps how each of its runs was launched, and the spec copy
+of whichever was launched last (a sweep begun under an older spec and archived later does not
+bring that spec back).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from qkvlab.run.config import load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.records import is_finished, read_json_record
 
-SWEEP_RECORDS = (SWEEP_FILE, "spec.toml")
+SPEC_FILE = "spec.toml"
+SWEEP_RECORDS = (SWEEP_FILE, SPEC_FILE)
 RUN_RECORDS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, FAILED_FILE, WINDOW_FILE,
                ATTENTION_FILE, REUSED_FILE)
 
@@ -38,9 +41,13 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
                           "`qkvlab sweep` wrote")
     _check_destination(src, dest)
     merged = _merged_record(src, dest)
+    older = merged is not None and _last_launch(src) < _last_launch(dest)
+    if older:  # the fingerprint goes with the spec copy it describes
+        merged["fingerprint"] = (read_json_record(dest / SWEEP_FILE) or {}).get("fingerprint")
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
     kept = [r for r in runs if _finished(r)] if finished_only else runs
-    copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()]
+    copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()
+              and not (older and name == SPEC_FILE)]
     copies += [(run / name, dest / run.relative_to(src) / name)
                for run in kept for name in RUN_RECORDS if (run / name).is_file()]
     for record, copy in copies:  # all checked before the first copy
@@ -71,6 +78,12 @@ def _merged_record(src: Path, dest: Path) -> dict[str, Any] | None:
     if created:
         mine["created"] = min(created)  # ISO 8601 times: the earlier sorts first
     return mine
+
+
+def _last_launch(sweep: Path) -> str:
+    """When the sweep's latest session started (ISO 8601, so later sorts later); "" if never."""
+    sessions = (read_json_record(sweep / SWEEP_FILE) or {}).get("sessions", [])
+    return max((s.get("started", "") for s in sessions), default="")
 
 
 def _check_destination(src: Path, dest: Path) -> None:
