@@ -264,6 +264,13 @@ family = "qid"
 rule = "q-identity"
 n_embd = 32
 grid = { attn_scale = [0.1, 0.7] }
+
+[[variant]]
+name = "vid-wide"
+family = "vid"
+rule = "v-identity"
+n_embd = 32
+attn_scale = 0.7
 """)
     runs = {(r["group"], r["seed"]): r["final_val_loss"] for r in data["runs"]}
     mean = {g: (runs[(g, 1)] + runs[(g, 2)]) / 2 for g, _ in runs}
@@ -278,9 +285,17 @@ grid = { attn_scale = [0.1, 0.7] }
         assert [p["group"] for p in cell["points"] if p["alpha"] == cell["best_alpha"]] == [best]
         assert cell["best_at_edge"] == (best in (groups[0], groups[-1]))
         assert (cell["fitted_alpha"] is None) == cell["best_at_edge"]  # bracketed: fitted
-    tuned = {t["width"]: t for t in data["scale_tuned_gaps"]}
-    assert set(tuned) == {16, 32}
-    t = tuned[32]
+    tuned = {(t["family"], t["width"]): t for t in data["scale_tuned_gaps"]}
+    assert set(tuned) == {("qid", 16), ("qid", 32), ("vid", 32)}
+    assert ("vid", 32) not in cells  # one alpha is no scan, but it is paired with the tuned one
+    v = tuned[("vid", 32)]
+    assert not v["scanned"] and tuned[("qid", 32)]["scanned"]
+    assert (v["group"], v["reference"]) == ("vid-wide", tuned[("qid", 32)]["reference"])
+    diffs = [runs[("vid-wide", s)] - runs[(v["reference"], s)] for s in (1, 2)]
+    ref = (runs[(v["reference"], 1)] + runs[(v["reference"], 2)]) / 2
+    assert v["relative_pct"] == pytest.approx(50 * sum(diffs) / ref)
+    assert f"| vid | 32 | 0.001 | {0.7 * 4:.3g} (one alpha) |" in text  # 2 heads of 16
+    t = tuned[("qid", 32)]
     want = [runs[(t["group"], s)] - runs[(t["reference"], s)] for s in (1, 2)]
     ref = (runs[(t["reference"], 1)] + runs[(t["reference"], 2)]) / 2
     assert t["relative_pct"] == pytest.approx(50 * sum(want) / ref)

@@ -190,7 +190,11 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
     ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    if len(fams) > 3:  # beside the axes, where it cannot hide the points
+        fig.set_size_inches(10, 4.5)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
+    else:
+        ax.legend(fontsize=8)
     _save(plt, fig, path)
 
 

@@ -46,12 +46,14 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
         L += ["", f"### Each arm at its own best alpha against {ref} at its best", "",
               f"Paired by seed (t-test, 95% interval), as % of {ref}'s loss, at the end "
               "(*final*) and at each run's lowest validation loss (*best*), and in training "
-              "loss (*train*). One seed gives no interval.", "",
+              "loss (*train*). One seed gives no interval. *one alpha*: the family ran one "
+              "alpha at that width, so its gap is at that alpha, which may not be its best.", "",
               f"| family | d | lr | alpha | {ref} alpha | seeds | final | 95% CI | p | p (Holm) "
               "| best | 95% CI | train | 95% CI |",
               "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|"]
         for t in tuned:
-            edge = " (edge)" if t.cell.edge or t.reference.edge else ""
+            edge = (" (one alpha)" if not t.cell.scanned
+                    else " (edge)" if t.cell.edge or t.reference.edge else "")
             L.append(f"| {t.cell.family} | {t.cell.width} | {t.cell.lr:g} | "
                      f"{t.cell.best.alpha:.3g}{edge} | "
                      f"{t.reference.best.alpha:.3g} | "

@@ -2,20 +2,22 @@
 and the gap between the tuned arms against width.
 
 alpha is the logit scale in units of the standard one, alpha = scale * sqrt(d_k) (1: 1/sqrt(d_k);
-the paper's halved scale for W_Q = I: 0.5), read from each group's resolved config, so rules
-and numbers mix. A cell is one family at one width and learning rate; a family scans alpha there
-when it has two or more alphas with finished runs. Each family's best alpha is the one with the
-lowest mean final validation loss over the seeds every alpha of the cell finished (the scan's
-seeds), so seeds added later to a few alphas measure the choice without changing it. The tuned
-gap pairs (by seed) the best group of each family with the reference family's best group at the
-same width and learning rate: the comparison of two arms each at its own scale. The best alpha is
-picked on the scan's runs, which flatters each side a little; a best alpha at the end of its grid
-means the optimum may lie beyond it. Between grid points, the vertex of a parabola in log alpha
-through the best point and its neighbours estimates the optimum (`fitted`), and a power of the
-width (at one lr) or of the lr (at one width) fitted to those optima says how it moves
-(`alpha_trends`). A group whose scale is a named rule (`model.attn_scale = "unit"`, `"fitted"`)
-is also paired with the reference family's group under the same rule at the same width and lr
-(`rule_gaps`): at a width the rule was not fitted on, that is the rule's held-out test.
+the paper's halved scale for W_Q = I: 0.5), read from each group's resolved config, so rules and
+numbers mix. A cell is one family at one width and learning rate; a family scans alpha there when
+it has two or more alphas with finished runs. Each family's best alpha is the one with the lowest
+mean final validation loss over the seeds every alpha of the cell finished (the scan's seeds), so
+seeds added later to a few alphas measure the choice without changing it. The tuned gap pairs (by
+seed) the best group of each family with the reference family's best group at the same width and
+learning rate: the comparison of two arms each at its own scale. A family that ran one alpha there
+(a cell that is not `scanned`, such as W_V = I at the baseline's best scale) is paired with the
+reference's best too: its gap is at that alpha, which may not be its best. The best alpha is picked
+on the scan's runs, which flatters each side a little; a best alpha at the end of its grid means
+the optimum may lie beyond it. Between grid points, the vertex of a parabola in log alpha through
+the best point and its neighbours estimates the optimum (`fitted`), and a power of the width (at
+one lr) or of the lr (at one width) fitted to those optima says how it moves (`alpha_trends`). A
+group whose scale is a named rule (`model.attn_scale = "unit"`, `"fitted"`) is also paired with the
+reference family's group under the same rule at the same width and lr (`rule_gaps`): at a width the
+rule was not fitted on, that is the rule's held-out test.
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ class ScanCell:
     points: tuple[ScanPoint, ...]  # by alpha
 
     @property
+    def scanned(self) -> bool:
+        """Two or more alphas ran: the best is chosen among them, not just measured."""
+        return len(self.points) > 1
+
+    @property
     def best(self) -> ScanPoint:
         return min(self.points, key=lambda p: p.choice)
 
@@ -74,7 +81,8 @@ class ScanCell:
 
     def as_dict(self) -> dict[str, Any]:
         return {"family": self.family, "width": self.width, "lr": self.lr,
-                "best_alpha": self.best.alpha, "best_at_edge": self.edge,
+                "scanned": self.scanned, "best_alpha": self.best.alpha,
+                "best_at_edge": self.edge,
                 "fitted_alpha": self.fitted, "points": [vars(p) for p in self.points]}
 
 
@@ -106,7 +114,8 @@ class AlphaTrend:
 
 @dataclass(frozen=True)
 class TunedGap:
-    """A family at its best alpha against the reference family at its best, same width."""
+    """A family at its best alpha (or its only one, where `cell` is not scanned) against the
+    reference family at its best, same width and lr."""
 
     cell: ScanCell
     reference: ScanCell
@@ -116,7 +125,9 @@ class TunedGap:
         return {"family": self.cell.family, "width": self.cell.width, "lr": self.cell.lr,
                 "alpha": self.cell.best.alpha, "reference_alpha": self.reference.best.alpha,
                 "group": self.gap.group, "reference": self.gap.reference,
-                "at_edge": self.cell.edge or self.reference.edge, **self.gap.as_dict()}
+                "scanned": self.cell.scanned,
+                "at_edge": (self.cell.scanned and self.cell.edge) or self.reference.edge,
+                **self.gap.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -155,13 +166,13 @@ def _point(g: GroupResult, shared: set[int]) -> ScanPoint:
 def _cell(key: tuple[str, int, float], by_alpha: dict[float, GroupResult]) -> ScanCell | None:
     groups = [g for _, g in sorted(by_alpha.items())]
     shared = set.intersection(*({r.seed for r in _done(g)} for g in groups))
-    if len(groups) < 2 or not shared:
+    if not shared:
         return None
     return ScanCell(*key, tuple(_point(g, shared) for g in groups))
 
 
-def scan_cells(rep: Report) -> list[ScanCell]:
-    """Every (family, width, lr) with finished runs at two or more alphas sharing a seed."""
+def _all_cells(rep: Report) -> list[ScanCell]:
+    """Every (family, width, lr) with finished runs, at one alpha or at several sharing a seed."""
     found: dict[tuple[str, int, float], dict[float, GroupResult]] = {}
     for g in rep.groups:
         if g.loss.n and _done(g):
@@ -170,14 +181,20 @@ def scan_cells(rep: Report) -> list[ScanCell]:
     return [c for c in cells if c is not None]
 
 
+def scan_cells(rep: Report) -> list[ScanCell]:
+    """Every (family, width, lr) with finished runs at two or more alphas sharing a seed."""
+    return [c for c in _all_cells(rep) if c.scanned]
+
+
 def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
-    """Each scanned family at its best alpha against the reference family's best at the same
-    width and learning rate, paired by seed; by family, then width."""
+    """Each other family at its best alpha, or at its only one where it ran one, against the
+    reference family's best at the same width and learning rate (where the reference scanned),
+    paired by seed; by family, then width."""
     fam = rep.baseline.group.family
     groups = {g.group.name: g for g in rep.groups}
     refs = {(c.width, c.lr): c for c in cells if c.family == fam}
     out = []
-    for c in cells:
+    for c in cells + [c for c in _all_cells(rep) if not c.scanned]:
         ref = refs.get((c.width, c.lr))
         if c.family == fam or ref is None:
             continue
