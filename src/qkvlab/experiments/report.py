@@ -153,7 +153,7 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
              f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
             for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
         "scale_scan": [c.as_dict() for c in cells],
-        "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep, cells)],
+        "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep)],
         "alpha_trends": [t.as_dict() for t in alpha_trends(cells)],
         # in a scale scan only: elsewhere every group runs a rule ("paper" by default)
         "scale_rule_gaps": [r.as_dict() for r in rule_gaps(rep)] if cells else [],
@@ -189,7 +189,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             plot_gaps(gaps, axis, rep.baseline.group.family, out / name)
             plots[f"gap_{axis.name}"] = name
     cells = scan_cells(rep)
-    tuned = tuned_gaps(rep, cells)
+    tuned = tuned_gaps(rep)
     if cells:
         plot_scale_scan(cells, out / "scale_scan.png")
         plots["scale_scan"] = "scale_scan.png"

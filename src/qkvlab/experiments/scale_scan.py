@@ -61,8 +61,9 @@ class ScanCell:
 
     @property
     def edge(self) -> bool:
-        """The best alpha is the smallest or the largest run: the optimum may lie beyond."""
-        return self.best.alpha in (self.points[0].alpha, self.points[-1].alpha)
+        """The best alpha of a scan is the smallest or the largest run: the optimum may lie
+        beyond. A cell of one alpha has no edge: it is not `scanned`."""
+        return self.scanned and self.best.alpha in (self.points[0].alpha, self.points[-1].alpha)
 
     @property
     def fitted(self) -> float | None:
@@ -126,7 +127,7 @@ class TunedGap:
                 "alpha": self.cell.best.alpha, "reference_alpha": self.reference.best.alpha,
                 "group": self.gap.group, "reference": self.gap.reference,
                 "scanned": self.cell.scanned,
-                "at_edge": (self.cell.scanned and self.cell.edge) or self.reference.edge,
+                "at_edge": self.cell.edge or self.reference.edge,
                 **self.gap.as_dict()}
 
 
@@ -186,15 +187,16 @@ def scan_cells(rep: Report) -> list[ScanCell]:
     return [c for c in _all_cells(rep) if c.scanned]
 
 
-def tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
+def tuned_gaps(rep: Report) -> list[TunedGap]:
     """Each other family at its best alpha, or at its only one where it ran one, against the
     reference family's best at the same width and learning rate (where the reference scanned),
     paired by seed; by family, then width."""
     fam = rep.baseline.group.family
     groups = {g.group.name: g for g in rep.groups}
-    refs = {(c.width, c.lr): c for c in cells if c.family == fam}
+    cells = _all_cells(rep)
+    refs = {(c.width, c.lr): c for c in cells if c.family == fam and c.scanned}
     out = []
-    for c in cells + [c for c in _all_cells(rep) if not c.scanned]:
+    for c in cells:
         ref = refs.get((c.width, c.lr))
         if c.family == fam or ref is None:
             continue
