@@ -34,6 +34,31 @@ def variant_colors(names: list[str]) -> dict[str, str]:
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
 
+def variant_looks(names: list[str]) -> dict[str, dict[str, str]]:
+    """Colour and line style per variant: past ten variants the colours repeat, so each round
+    of the palette takes the next line style and no two variants look alike."""
+    colors = variant_colors(names)
+    return {name: {"color": colors[name], "ls": _STYLES[i // 10 % len(_STYLES)]}
+            for i, name in enumerate(names)}
+
+
+_STYLES = ["-", "--", ":", "-."]
+_LEGEND_INSIDE = 8  # entries a legend may hold inside the axes before it hides the lines
+_LEGEND_ROWS = 24  # entries per column of a legend beside the axes
+
+
+def _legend(fig, ax, entries: int, inside: int = _LEGEND_INSIDE) -> None:
+    """Inside the axes when it has at most `inside` entries; beside them otherwise, in columns,
+    with the figure widened to hold them, where it cannot cover the lines."""
+    if entries <= inside:
+        ax.legend(fontsize=8)
+        return
+    cols = -(-entries // _LEGEND_ROWS)
+    width, height = fig.get_size_inches()
+    fig.set_size_inches(width + 3.3 * cols, max(height, 0.16 * min(entries, _LEGEND_ROWS) + 1))
+    ax.legend(fontsize=7, ncol=cols, loc="upper left", bbox_to_anchor=(1.01, 1))
+
+
 def _band(ax, steps: list[int], mean: list[float], std: list[float], color) -> None:
     """Shade mean +- std around a curve, in the curve's colour."""
     ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
@@ -49,18 +74,19 @@ def _save(plt, fig, path: Path) -> None:
 def plot_curves(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    colors = variant_colors([g.group.name for g in rep.groups])
-    top = None
+    looks = variant_looks([g.group.name for g in rep.groups])
+    top, drawn = None, 0
     for g in rep.groups:
         curves = [r.curve for r in g.runs if r.status == "done"]
         steps, mean, std = mean_band(curves)
         if not steps:
             continue
-        color = colors[g.group.name]
+        look = looks[g.group.name]
         ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
-                lw=2.0 if g.group.baseline else 1.3, color=color)
+                lw=2.0 if g.group.baseline else 1.3, **look)
+        drawn += 1
         if len(curves) > 1:
-            _band(ax, steps, mean, std, color)
+            _band(ax, steps, mean, std, look["color"])
         # zoom past the first evals: the interesting part is where curves are close
         later = mean[len(mean) // 5:] or mean
         top = max(top or -math.inf, max(later))
@@ -69,30 +95,32 @@ def plot_curves(rep: Report, path: Path) -> None:
     if top is not None and math.isfinite(top):
         ax.set_ylim(top=top)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(fig, ax, drawn)
     _save(plt, fig, path)
 
 
 def plot_rel(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    colors = variant_colors([g.group.name for g in rep.groups])
+    looks = variant_looks([g.group.name for g in rep.groups])
+    drawn = 0
     for g in rep.groups:
         if g is rep.baseline:
             continue
         steps, mean, std, n = rel_curves(rep, g)
         if not steps:
             continue
-        color = colors[g.group.name]
-        ax.plot(steps, mean, label=f"{g.group.name} (n={n})", color=color)
+        look = looks[g.group.name]
+        ax.plot(steps, mean, label=f"{g.group.name} (n={n})", **look)
+        drawn += 1
         if n > 1:
-            _band(ax, steps, mean, std, color)
+            _band(ax, steps, mean, std, look["color"])
     ax.axhline(0, color="gray", lw=0.8)
     ref = rep.baseline.group.name
     ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
            title=f"relative validation-loss difference vs {ref} (below 0: better)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    _legend(fig, ax, drawn)
     _save(plt, fig, path)
 
 
@@ -190,11 +218,7 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
     ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")
-    if len(fams) > 3:  # beside the axes, where it cannot hide the points
-        fig.set_size_inches(10, 4.5)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-    else:
-        ax.legend(fontsize=8)
+    _legend(fig, ax, 2 * len(fams), inside=6)  # a final and a best line per family
     _save(plt, fig, path)
 
 

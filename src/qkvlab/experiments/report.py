@@ -51,11 +51,9 @@ from qkvlab.experiments.results import (
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
 from qkvlab.experiments.scale_scan import (
+    ScaleScan,
     TunedGap,
     alpha_trends,
-    rule_gaps,
-    scan_cells,
-    tuned_gaps,
 )
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
@@ -128,8 +126,7 @@ def _fit_json(row: FitRow) -> dict[str, Any]:
             "best_vs_reference": vs(row.best_vs_ref)}
 
 
-def report_json(rep: Report, command: str) -> dict[str, Any]:
-    cells = scan_cells(rep)
+def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
     return {
         "spec": rep.spec.name,
         "fingerprint": rep.record.get("fingerprint"),
@@ -152,11 +149,10 @@ def report_json(rep: Report, command: str) -> dict[str, Any]:
             {"family": w.family, a.name: w.value, "group": w.group, "reference": w.reference,
              f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
             for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
-        "scale_scan": [c.as_dict() for c in cells],
-        "scale_tuned_gaps": [t.as_dict() for t in tuned_gaps(rep)],
-        "alpha_trends": [t.as_dict() for t in alpha_trends(cells)],
-        # in a scale scan only: elsewhere every group runs a rule ("paper" by default)
-        "scale_rule_gaps": [r.as_dict() for r in rule_gaps(rep)] if cells else [],
+        "scale_scan": [c.as_dict() for c in scan.cells],
+        "scale_tuned_gaps": [t.as_dict() for t in scan.tuned],
+        "alpha_trends": [t.as_dict() for t in alpha_trends(scan.cells)],
+        "scale_rule_gaps": [r.as_dict() for r in scan.rules],
         "runs": [r.as_dict() for r in rep.runs()],
     }
 
@@ -188,18 +184,17 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
             name = f"gap_vs_{axis.name}.png"
             plot_gaps(gaps, axis, rep.baseline.group.family, out / name)
             plots[f"gap_{axis.name}"] = name
-    cells = scan_cells(rep)
-    tuned = tuned_gaps(rep)
-    if cells:
-        plot_scale_scan(cells, out / "scale_scan.png")
+    scan = ScaleScan.of(rep)
+    if scan.cells:
+        plot_scale_scan(scan.cells, out / "scale_scan.png")
         plots["scale_scan"] = "scale_scan.png"
-    if tuned:
-        plot_gaps(_by_lr(tuned), TREND_AXES[0], rep.baseline.group.family,
+    if scan.tuned:
+        plot_gaps(_by_lr(scan.tuned), TREND_AXES[0], rep.baseline.group.family,
                   out / "tuned_gap_vs_width.png")
         plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
-    write_text_atomic(out / "report.json", json.dumps(report_json(rep, command), indent=1) + "\n")
+    write_text_atomic(out / "report.json",
+                      json.dumps(report_json(rep, command, scan), indent=1) + "\n")
     path = out / "report.md"
-    rules = rule_gaps(rep) if cells else []
-    scan = scan_section(cells, tuned, rep.baseline.group.family, plots, rules)
-    write_text_atomic(path, render_markdown(rep, command, plots, scan))
+    section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules)
+    write_text_atomic(path, render_markdown(rep, command, plots, section))
     return path

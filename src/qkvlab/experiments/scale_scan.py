@@ -182,18 +182,27 @@ def _all_cells(rep: Report) -> list[ScanCell]:
     return [c for c in cells if c is not None]
 
 
-def scan_cells(rep: Report) -> list[ScanCell]:
-    """Every (family, width, lr) with finished runs at two or more alphas sharing a seed."""
-    return [c for c in _all_cells(rep) if c.scanned]
+@dataclass(frozen=True)
+class ScaleScan:
+    """A sweep's scale scan, built once for the report's JSON, plots and Markdown."""
+
+    cells: list[ScanCell]  # the scanned ones: two or more alphas sharing a seed
+    tuned: list[TunedGap]
+    rules: list[RuleGap]  # empty outside a scan, where every group runs a rule ("paper")
+
+    @classmethod
+    def of(cls, rep: Report) -> ScaleScan:
+        every = _all_cells(rep)
+        cells = [c for c in every if c.scanned]
+        return cls(cells, _tuned_gaps(rep, every), rule_gaps(rep) if cells else [])
 
 
-def tuned_gaps(rep: Report) -> list[TunedGap]:
+def _tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
     """Each other family at its best alpha, or at its only one where it ran one, against the
     reference family's best at the same width and learning rate (where the reference scanned),
     paired by seed; by family, then width."""
     fam = rep.baseline.group.family
     groups = {g.group.name: g for g in rep.groups}
-    cells = _all_cells(rep)
     refs = {(c.width, c.lr): c for c in cells if c.family == fam and c.scanned}
     out = []
     for c in cells:
