@@ -27,14 +27,14 @@ def _figure_with_lines(n: int):
 
 def test_a_short_legend_stays_inside_and_a_long_one_moves_beside_the_axes():
     fig, ax = _figure_with_lines(5)
-    _legend(fig, ax, 5)
+    _legend(fig, ax)
     assert tuple(fig.get_size_inches()) == (7.5, 4.5)
     inside = ax.get_legend().get_window_extent(fig.canvas.get_renderer())
     assert ax.get_window_extent().contains(inside.x0 + 1, inside.y0 + 1)
     plt.close(fig)
 
     fig, ax = _figure_with_lines(40)
-    _legend(fig, ax, 40)
+    _legend(fig, ax)
     assert fig.get_size_inches()[0] > 7.5 + 3.3  # widened for two columns
     legend = ax.get_legend()
     fig.canvas.draw()

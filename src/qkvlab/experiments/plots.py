@@ -34,6 +34,11 @@ def variant_colors(names: list[str]) -> dict[str, str]:
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
 
+_STYLES = ["-", "--", ":", "-."]
+_LEGEND_INSIDE = 8  # entries a legend may hold inside the axes before it hides the lines
+_LEGEND_ROWS = 24  # entries per column of a legend beside the axes
+
+
 def variant_looks(names: list[str]) -> dict[str, dict[str, str]]:
     """Colour and line style per variant: past ten variants the colours repeat, so each round
     of the palette takes the next line style and no two variants look alike."""
@@ -42,14 +47,10 @@ def variant_looks(names: list[str]) -> dict[str, dict[str, str]]:
             for i, name in enumerate(names)}
 
 
-_STYLES = ["-", "--", ":", "-."]
-_LEGEND_INSIDE = 8  # entries a legend may hold inside the axes before it hides the lines
-_LEGEND_ROWS = 24  # entries per column of a legend beside the axes
-
-
-def _legend(fig, ax, entries: int, inside: int = _LEGEND_INSIDE) -> None:
+def _legend(fig, ax, inside: int = _LEGEND_INSIDE) -> None:
     """Inside the axes when it has at most `inside` entries; beside them otherwise, in columns,
     with the figure widened to hold them, where it cannot cover the lines."""
+    entries = len(ax.get_legend_handles_labels()[1])
     if entries <= inside:
         ax.legend(fontsize=8)
         return
@@ -75,7 +76,7 @@ def plot_curves(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     looks = variant_looks([g.group.name for g in rep.groups])
-    top, drawn = None, 0
+    top = None
     for g in rep.groups:
         curves = [r.curve for r in g.runs if r.status == "done"]
         steps, mean, std = mean_band(curves)
@@ -84,7 +85,6 @@ def plot_curves(rep: Report, path: Path) -> None:
         look = looks[g.group.name]
         ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
                 lw=2.0 if g.group.baseline else 1.3, **look)
-        drawn += 1
         if len(curves) > 1:
             _band(ax, steps, mean, std, look["color"])
         # zoom past the first evals: the interesting part is where curves are close
@@ -95,7 +95,7 @@ def plot_curves(rep: Report, path: Path) -> None:
     if top is not None and math.isfinite(top):
         ax.set_ylim(top=top)
     ax.grid(alpha=0.3)
-    _legend(fig, ax, drawn)
+    _legend(fig, ax)
     _save(plt, fig, path)
 
 
@@ -103,7 +103,6 @@ def plot_rel(rep: Report, path: Path) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     looks = variant_looks([g.group.name for g in rep.groups])
-    drawn = 0
     for g in rep.groups:
         if g is rep.baseline:
             continue
@@ -112,7 +111,6 @@ def plot_rel(rep: Report, path: Path) -> None:
             continue
         look = looks[g.group.name]
         ax.plot(steps, mean, label=f"{g.group.name} (n={n})", **look)
-        drawn += 1
         if n > 1:
             _band(ax, steps, mean, std, look["color"])
     ax.axhline(0, color="gray", lw=0.8)
@@ -120,7 +118,7 @@ def plot_rel(rep: Report, path: Path) -> None:
     ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
            title=f"relative validation-loss difference vs {ref} (below 0: better)")
     ax.grid(alpha=0.3)
-    _legend(fig, ax, drawn)
+    _legend(fig, ax)
     _save(plt, fig, path)
 
 
@@ -218,7 +216,7 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
     ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
            title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
     ax.grid(alpha=0.3, which="both")
-    _legend(fig, ax, 2 * len(fams), inside=6)  # a final and a best line per family
+    _legend(fig, ax, inside=6)  # a final and a best line per family: three families
     _save(plt, fig, path)
 
 
