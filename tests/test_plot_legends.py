@@ -7,7 +7,7 @@ matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from qkvlab.experiments.plots import _legend, variant_looks  # noqa: E402
+from qkvlab.experiments.plots import _legend, _spaced, variant_looks  # noqa: E402
 
 
 def test_every_variant_of_a_large_sweep_has_its_own_colour_and_line_style():
@@ -41,3 +41,11 @@ def test_a_short_legend_stays_inside_and_a_long_one_moves_beside_the_axes():
     box = legend.get_window_extent(fig.canvas.get_renderer())
     assert box.x0 >= ax.get_window_extent().x1  # right of the axes: it hides no line
     plt.close(fig)
+
+
+def test_an_axis_labels_the_sqrt2_grid_and_only_the_other_values_that_leave_room():
+    # d = 384's rule alphas (1.11, 1.58) sit 0.15 octaves from grid points and would print over
+    # their labels; 3.3 is 0.22 from 2.83 (dropped) and 12 half an octave from 8 and 16 (kept)
+    values = [0.35, 0.5, 0.71, 1.0, 1.1078, 1.41, 1.58, 2.0, 2.83, 3.3, 4.0, 8.0, 12.0, 16.0]
+    assert _spaced(values) == [0.35, 0.5, 0.71, 1.0, 1.41, 2.0, 2.83, 4.0, 8.0, 12.0, 16.0]
+    assert _spaced([1.11, 1.58]) == [1.11, 1.58]  # off the grid, 0.51 octaves apart

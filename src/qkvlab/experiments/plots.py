@@ -240,9 +240,13 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
                   marker=markers[c.lr], ls=styles[c.width], color=colors[c.family],
                   label=c.family + (f", lr {c.lr:g}" if len(lrs) > 1 else "") + f" d {c.width}")
         left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
-    alphas = sorted({p.alpha for c in cells for p in c.points})
+    alphas = _spaced(sorted({p.alpha for c in cells for p in c.points}))
     _log2_axis(left, alphas, "alpha = scale x sqrt(d_k)")
     left.set(ylabel="final val loss (mean over seeds)", title="loss against the logit scale")
+    if len(cells) > _LEGEND_INSIDE:  # a long legend below the curves, where it hides none
+        rows = -(-len(cells) // 2)
+        fig.set_size_inches(fig.get_size_inches()[0], 4.5 + 0.17 * rows)
+        left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
     _best_alpha_panel(axes[1], cells, "width", colors, markers, alphas)
     if len(lrs) > 1:
         _best_alpha_panel(axes[2], cells, "lr", colors, styles, alphas)
@@ -261,7 +265,7 @@ def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, st
 
     lines = list(dict.fromkeys((c.family, held(c)) for c in cells))
     for i, (fam, other) in enumerate(lines):
-        nudge = 1 + 0.03 * i  # lines at the same best alpha stay visible side by side
+        nudge = 1 + 0.012 * i  # lines at the same best alpha stay visible side by side
         mine = sorted((c for c in cells if (c.family, held(c)) == (fam, other)), key=x_of)
         look = {"marker": looks[other]} if axis == "width" else {"ls": looks[other], "marker": "o"}
         label = f"{fam}, lr {other:g}" if axis == "width" else f"{fam}, d {other:g}"
@@ -284,6 +288,20 @@ def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, st
     ax.set(ylabel="best alpha",
            title=f"best alpha against {'width' if axis == 'width' else 'lr'}\n"
                  "(hollow: grid end; x: fitted; dotted: their power)")
+
+
+def _spaced(values: list[float], gap: float = 0.3) -> list[float]:
+    """The values to label on a log2 axis: every point of the sqrt(2) grid, and another value
+    (a rule's alpha, say 1.11) only where it sits `gap` octaves from each of them, so that
+    neighbouring labels never print over each other."""
+    def on_grid(v: float) -> bool:
+        return abs(2 * math.log2(v) - round(2 * math.log2(v))) < 0.05
+
+    kept = [v for v in values if on_grid(v)]
+    for v in values:
+        if not on_grid(v) and all(abs(math.log2(v / k)) >= gap for k in kept):
+            kept.append(v)
+    return sorted(kept)
 
 
 def _log2_axis(ax, xs: list[float], label: str) -> None:
