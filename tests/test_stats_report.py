@@ -85,6 +85,12 @@ name = "qid-wide"
 family = "qid"
 rule = "q-identity"
 n_embd = 32
+
+[[variant]]
+name = "qid-narrow"
+family = "qid-narrow"
+rule = "q-identity"
+n_embd = 12
 """)
     gaps = {(g["family"], g["width"]): g for g in data["width_gaps"]}
     assert set(gaps) == {("qid", 16), ("qid", 32)}
@@ -102,6 +108,18 @@ n_embd = 32
     keys = sorted(gaps)  # p adjusted over the table's two rows
     assert [gaps[k]["p_holm"] for k in keys] == pytest.approx(holm([gaps[k]["p"] for k in keys]))
     assert "p (Holm)" in text and "sign test over 2 seeds cannot go below p = 0.5" in text
+    # the spec's reference is at d = 16: the d = 32 groups get no gap to it, anywhere
+    groups = {g["group"]: g for g in data["groups"]}
+    assert groups["qid"]["paired_vs_baseline"]["n"] == 2
+    assert groups["qid-wide"]["paired_vs_baseline"] is None
+    assert groups["baseline-wide"]["paired_vs_baseline"] is None
+    # a narrower model with no baseline of its width (matched in parameters, say) is paired
+    assert groups["qid-narrow"]["paired_vs_baseline"]["n"] == 2
+    assert set(data["gap_over_training"]["relative_pct"]) == {"qid", "qid-narrow"}
+    paired = text.split("## Paired differences")[1].split("\n## ")[0]
+    assert "| qid |" in paired and "qid-wide" not in paired
+    assert "2 group(s) at another width or depth than the baseline (d = 16, 1 layers) have a " \
+        "reference of their own shape" in text
 
 
 def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_lr(

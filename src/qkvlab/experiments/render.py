@@ -19,6 +19,7 @@ from qkvlab.experiments.results import (
     SettingGap,
     TrendAxis,
     grid_families,
+    has_own_reference,
 )
 from qkvlab.experiments.runs import ATTENTION_WINDOWS
 from qkvlab.experiments.spec import Spec
@@ -88,13 +89,22 @@ def verdict(g: GroupResult, ref: str = "the baseline") -> str:
 
 
 def verdicts(rep: Report) -> list[str]:
-    """The verdict of each variant against the reference, then one line naming those that have
-    no paired seed yet (a scan in progress has dozens)."""
-    unpaired = [g for g in rep.groups if g is not rep.baseline
+    """The verdict of each variant against the reference, then one line counting the groups
+    compared at their own width instead and one naming those that have no paired seed yet (a
+    scan in progress has dozens)."""
+    others = [g for g in rep.groups if has_own_reference(g, rep.baseline, rep.groups)]
+    elsewhere = {id(g) for g in others}
+    unpaired = [g for g in rep.groups if g is not rep.baseline and id(g) not in elsewhere
                 and (g.paired is None or g.paired.mean is None)]
-    waiting = {id(g) for g in unpaired}
+    skip = elsewhere | {id(g) for g in unpaired}
     lines = [verdict(g, rep.ref) for g in rep.groups
-             if g is not rep.baseline and id(g) not in waiting]
+             if g is not rep.baseline and id(g) not in skip]
+    if others:
+        m = rep.baseline.group.config.model
+        lines.append(f"{len(others)} group(s) at another width or depth than {rep.ref} "
+                     f"(d = {m.n_embd}, {m.n_layer} layers) have a reference of their own shape, "
+                     "so none is paired with it here: the width and scale-scan sections compare "
+                     "each width's arms.")
     if unpaired and not rep.baseline.loss.n:
         lines.append(f"{rep.ref} has no finished run yet, so no variant is paired with it "
                      "(--versus GROUP names another reference).")

@@ -149,11 +149,27 @@ def _reference(results: list[GroupResult], name: str, spec: Spec) -> GroupResult
     return hits[0]
 
 
+def _shape(g: GroupResult) -> tuple[int, int]:
+    m = g.group.config.model
+    return m.n_embd, m.n_layer
+
+
+def has_own_reference(g: GroupResult, ref: GroupResult, groups: list[GroupResult]) -> bool:
+    """Whether `g` has another width or depth than `ref` and the sweep runs `ref`'s family at
+    `g`'s shape too: a sweep over widths, whose gaps are taken at each width (trend_gaps,
+    tuned_gaps, the scale scan), so a gap to `ref` would compare two sizes of model. A group
+    with no reference of its shape (a narrower model matched in parameters) is paired with
+    `ref`, as the spec means."""
+    return _shape(g) != _shape(ref) and any(
+        h.group.family == ref.group.family and _shape(h) == _shape(g) for h in groups)
+
+
 def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> None:
-    """Fill in each group's paired tests against `baseline`, over the seeds both finished."""
+    """Fill in each group's paired tests against `baseline`, over the seeds both finished (none
+    for a group that has a reference of its own width, `has_own_reference`)."""
     base_by_seed = {r.seed: r for r in baseline.runs if r.status == "done"}
     for g in results:
-        if g is baseline:
+        if g is baseline or has_own_reference(g, baseline, results):
             continue
         pairs = [(r, base_by_seed[r.seed]) for r in g.runs
                  if r.status == "done" and r.seed in base_by_seed]
@@ -334,7 +350,10 @@ def mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], l
 
 
 def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], list[float], int]:
-    """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds."""
+    """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds
+    (none for a group that has a reference of its own width, `has_own_reference`)."""
+    if has_own_reference(g, rep.baseline, rep.groups):
+        return [], [], [], 0
     base = {r.seed: r.curve for r in rep.baseline.runs if r.status == "done"}
     rels = []
     for r in g.runs:
