@@ -113,6 +113,8 @@ n_embd = 12
     assert groups["qid"]["paired_vs_baseline"]["n"] == 2
     assert groups["qid-wide"]["paired_vs_baseline"] is None
     assert groups["baseline-wide"]["paired_vs_baseline"] is None
+    fit = {row["group"]: row for row in data["fit"]}
+    assert fit["qid-wide"]["train_vs_reference"] is None and fit["qid"]["train_vs_reference"]
     # a narrower model with no baseline of its width (matched in parameters, say) is paired
     assert groups["qid-narrow"]["paired_vs_baseline"]["n"] == 2
     assert set(data["gap_over_training"]["relative_pct"]) == {"qid", "qid-narrow"}

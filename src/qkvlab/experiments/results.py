@@ -404,7 +404,8 @@ class FitRow:
 
 def fit_rows(rep: Report) -> list[FitRow]:
     """One row per group with finished runs: is a gap a fitting deficit (train loss higher
-    too) or a generalisation one (train loss lower), and does early stopping change it?"""
+    too) or a generalisation one (train loss lower), and does early stopping change it? (No
+    pairing for a group that has a reference of its own width, `has_own_reference`.)"""
     base = {r.seed: r for r in rep.baseline.runs if r.status == "done"}
     rows = []
     for g in rep.groups:
@@ -414,7 +415,8 @@ def fit_rows(rep: Report) -> list[FitRow]:
             continue
         pairs = [(r, base[r.seed]) for r in done if r.seed in base and base[r.seed].best
                  and base[r.seed].train_tail is not None]
-        vs = g is not rep.baseline and bool(pairs)
+        vs = (g is not rep.baseline and bool(pairs)
+              and not has_own_reference(g, rep.baseline, rep.groups))
         rows.append(FitRow(
             g.group.name, summarize([r.train_tail for r in done]),
             summarize([r.best[1] for r in done]),
