@@ -233,7 +233,7 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
     fams = list(dict.fromkeys(c.family for c in cells))
     colors = variant_colors(fams)
     widths = sorted({c.width for c in cells})
-    styles = dict(zip(widths, ["-", "--", ":", "-."] * 4, strict=False))
+    styles = dict(zip(widths, _STYLES * 4, strict=False))
     markers = dict(zip(lrs, "osD^v" * 4, strict=False))
     for c in cells:
         left.plot([p.alpha for p in c.points], [p.final for p in c.points],
@@ -247,6 +247,8 @@ def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
         rows = -(-len(cells) // 2)
         fig.set_size_inches(fig.get_size_inches()[0], 4.5 + 0.17 * rows)
         left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    else:
+        left.legend(fontsize=8)
     _best_alpha_panel(axes[1], cells, "width", colors, markers, alphas)
     if len(lrs) > 1:
         _best_alpha_panel(axes[2], cells, "lr", colors, styles, alphas)
@@ -282,6 +284,7 @@ def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, st
         if t.axis == axis:
             ax.plot(span, [t.alpha(x) for x in span], ls=":", lw=1, color=colors[t.family])
     _log2_axis(ax, xs, "width d" if axis == "width" else "learning rate")
+    ax.legend(fontsize=8)
     ax.set_yscale("log", base=2)
     ax.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
     ax.minorticks_off()
@@ -311,4 +314,3 @@ def _log2_axis(ax, xs: list[float], label: str) -> None:
     ax.minorticks_off()
     ax.set_xlabel(label)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
