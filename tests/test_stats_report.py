@@ -249,6 +249,16 @@ def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each
         assert f"alpha {alpha[best] * math.sqrt(8):.3g}" in cell
     assert rows["baseline d 32"][1].startswith(f"{mean['baseline-wide-lr']:.4f}")
     assert "alpha" not in "".join(rows["qid d 16"])
+    # final_vs_lr.png's right panel: W_Q = I against the baseline's best cell at the same lr
+    # and width; the baseline's own rows and the d = 32 row (no W_Q = I there) have no gaps
+    gaps = data["lr_grid_gaps"]
+    assert set(gaps) == {"qid d 16"}
+    by_lr = {w["lr"]: w for w in gaps["qid d 16"]}
+    assert set(by_lr) == {0.001, 0.004}
+    assert by_lr[0.001]["group"] == "qid" and by_lr[0.001]["reference"] == best
+    assert (by_lr[0.004]["group"], by_lr[0.004]["reference"]) == ("qid-lr", "baseline-lr")
+    pct = 100 * (mean["qid-lr"] - mean["baseline-lr"]) / mean["baseline-lr"]
+    assert by_lr[0.004]["relative_pct"] == pytest.approx(pct)
 
 
 QID_SCAN = """

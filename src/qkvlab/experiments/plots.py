@@ -11,6 +11,7 @@ from qkvlab.experiments.results import (
     Report,
     SettingGap,
     TrendAxis,
+    grid_gaps,
     mean_band,
     rel_curves,
 )
@@ -123,41 +124,69 @@ def plot_rel(rep: Report, path: Path) -> None:
 
 
 def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: Path) -> None:
-    """Left: final loss (mean +- std over seeds) vs optim.<key> per family. Right: the paired
-    difference to the baseline (same seed) with its 95% interval, which removes the seed
+    """Left: final loss (mean +- std over seeds) vs optim.<key> per row (family and width).
+    Right, on a tuned axis (the lr): each row's gap to the reference family's row at the same
+    value (%, paired by seed, 95% interval), i.e. the gap with both arms at that lr; on another
+    axis (the weight decay): the paired difference to the one reference, which removes the seed
     spread that all groups share."""
     plt = _pyplot()
     fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11.5, 4.5))
     colors = variant_colors(list(fams))
-    for fam, gs in fams.items():
+    gaps = grid_gaps(rep, key, fams)
+    for i, (fam, gs) in enumerate(fams.items()):
         pts = sorted(gs, key=lambda g: getattr(g.group.config.optim, key))
         ok = [g for g in pts if g.loss.mean is not None]
         xs = [getattr(g.group.config.optim, key) for g in ok]
         color = colors[fam]
         ax.errorbar(xs, [g.loss.mean for g in ok], yerr=[g.loss.std or 0.0 for g in ok],
                     marker="o", capsize=3, label=fam, color=color)
-        dx, dy, lo, hi = _paired_points(rep, ok, key)
-        if dx:
-            ax_d.errorbar(dx, dy, yerr=[lo, hi], marker="o", capsize=3, color=color, label=fam)
+        if gaps is None:
+            _errorbars(ax_d, *_paired_points(rep, ok, key), color=color, label=fam)
+        elif gaps.get(fam):
+            _errorbars(ax_d, *_gap_points(gaps[fam], 1.015 ** i), color=color, label=fam)
         bad = [getattr(g.group.config.optim, key) for g in pts
                if any(r.status == "failed" for r in g.runs)]
         if bad and ok:
             ax.plot(bad, [max(g.loss.mean for g in ok)] * len(bad), "x", color="red", ms=9,
                     label=f"{fam}: failed/diverged run(s)")
+    values = sorted({getattr(g.group.config.optim, key) for gs in fams.values() for g in gs})
     for a in (ax, ax_d):
         if key == "weight_decay":
             a.set_xscale("symlog", linthresh=1e-3)
         else:
             a.set_xscale("log")
+            a.set_xticks(values, [f"{v:g}" for v in values])  # the values run, not decades
+            a.minorticks_off()
         a.grid(alpha=0.3, which="both")
         if a.get_legend_handles_labels()[0]:  # the paired panel is empty without the baseline
             a.legend(fontsize=8)
     ax.set(xlabel=key, ylabel="final validation loss", title=f"final loss vs {key} "
            "(mean +- std over seeds)")
     ax_d.axhline(0, color="gray", lw=0.8)
-    ax_d.set(xlabel=key, ylabel=f"loss - {rep.baseline.group.name} (same seed)",
-             title=f"paired difference vs {rep.baseline.group.name} (95% CI)")
+    ref = rep.baseline.group
+    if gaps is None:
+        ax_d.set(xlabel=key, ylabel=f"loss - {ref.name} (same seed)",
+                 title=f"paired difference vs {ref.name} (95% CI)")
+    else:
+        ax_d.set(xlabel=key, ylabel=f"% vs {ref.family} at the same {key} (same seed)",
+                 title=f"gap to {ref.family} at the same {key}, each its best (95% CI)")
     _save(plt, fig, path)
+
+
+def _errorbars(ax, xs: list[float], ys: list[float], lo: list[float], hi: list[float], *,
+               color: str, label: str) -> None:
+    if xs:
+        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label)
+
+
+def _gap_points(gaps: list[SettingGap], nudge: float
+                ) -> tuple[list[float], list[float], list[float], list[float]]:
+    """x (nudged so that rows at one value do not hide each other), the final loss's gap in %
+    and its interval's lower/upper error bar (0 for one seed)."""
+    rs = [(w.value * nudge, w.result) for w in gaps if w.result.rel_pct is not None]
+    lo = [r.rel_pct - r.rel_ci[0] if r.rel_ci[0] is not None else 0.0 for _, r in rs]
+    hi = [r.rel_ci[1] - r.rel_pct if r.rel_ci[1] is not None else 0.0 for _, r in rs]
+    return [x for x, _ in rs], [r.rel_pct for _, r in rs], lo, hi
 
 
 def _paired_points(rep: Report, groups: list[GroupResult], key: str

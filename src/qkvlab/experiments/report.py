@@ -45,6 +45,7 @@ from qkvlab.experiments.results import (
     Report,
     SettingGap,
     grid_families,
+    grid_gaps,
     group_result,
     pair_with_reference,
     pick_reference,
@@ -145,6 +146,7 @@ def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
                                "reference": w.reference, **w.as_dict()}
                               for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
+        **{f"{a.name}_grid_gaps": _grid_gaps_json(rep, a.key) for a in TREND_AXES if a.tuned},
         **{f"{a.name}_tuned_gaps": [
             {"family": w.family, a.name: w.value, "group": w.group, "reference": w.reference,
              f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
@@ -155,6 +157,14 @@ def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
         "scale_rule_gaps": [r.as_dict() for r in scan.rules],
         "runs": [r.as_dict() for r in rep.runs()],
     }
+
+
+def _grid_gaps_json(rep: Report, key: str) -> dict[str, list[dict[str, Any]]]:
+    """final_vs_<key>.png's right panel: per row, the gap to the reference family's row at each
+    value both ran (each the best of its value)."""
+    gaps = grid_gaps(rep, key, grid_families(rep, key)) or {}
+    return {label: [{key: w.value, "group": w.group, "reference": w.reference, **w.as_dict()}
+                    for w in ws] for label, ws in gaps.items() if ws}
 
 
 def _by_lr(tuned: list[TunedGap]) -> list[SettingGap]:

@@ -484,6 +484,22 @@ def grid_families(rep: Report, key: str) -> dict[str, list[GroupResult]]:
     return {_row_label(k, [axes[j] for j in varies], varies): gs for k, gs in spans.items()}
 
 
+def grid_gaps(rep: Report, key: str, fams: dict[str, list[GroupResult]]
+              ) -> dict[str, list[SettingGap]] | None:
+    """On a tuned axis (the lr), each row of `grid_families` (but the reference family's) paired
+    by seed with the reference family's cell at the same value and other settings, each the best
+    of its value: the gap where both arms ran that value. None for an axis that is not tuned
+    (a weight-decay grid compares every row with the one reference instead)."""
+    axis = next((a for a in TREND_AXES if a.tuned and a.key == key), None)
+    if axis is None:
+        return None
+    fam, at = rep.baseline.group.family, TREND_AXES.index(axis)
+    refs = {_settings(g): g for gs in fams.values() for g in gs if g.group.family == fam}
+    gaps = {label: [setting_gap(g, refs.get(_settings(g)), at) for g in gs
+                    if g.group.family != fam] for label, gs in fams.items()}
+    return {label: [w for w in ws if w is not None] for label, ws in gaps.items()}
+
+
 def _best_finished(groups: list[GroupResult]) -> GroupResult:
     done = [g for g in groups if g.loss.n]
     return best_group(done) if done else groups[0]
