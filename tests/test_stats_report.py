@@ -259,6 +259,10 @@ def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each
     assert (by_lr[0.004]["group"], by_lr[0.004]["reference"]) == ("qid-lr", "baseline-lr")
     pct = 100 * (mean["qid-lr"] - mean["baseline-lr"]) / mean["baseline-lr"]
     assert by_lr[0.004]["relative_pct"] == pytest.approx(pct)
+    # the lr trend pairs qid-lr alone: at lr 1e-3 and d = 16 the baseline ran two alphas
+    assert [(w["group"], w["reference"]) for w in data["lr_gaps"]] == [("qid-lr", "baseline-lr")]
+    trend = text.split("## Gap to the baseline against lr")[1].split("\n## ")[0]
+    assert "The 1 setting(s) where the baseline family ran several groups" in trend
 
 
 QID_SCAN = """

@@ -20,6 +20,7 @@ from qkvlab.experiments.results import (
     TrendAxis,
     grid_families,
     has_own_reference,
+    scanned_settings,
 )
 from qkvlab.experiments.runs import ATTENTION_WINDOWS
 from qkvlab.experiments.spec import Spec
@@ -468,7 +469,8 @@ def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[st
          "95% interval), as % of that baseline's loss: at the end (*final*, with p and p "
          "Holm-adjusted over this table's rows), at each "
          "run's lowest validation loss (*best*: early stopping, which takes out overfitting) "
-         "and in training loss (*train*, after 90% of the steps; higher: it fits less).", "",
+         "and in training loss (*train*, after 90% of the steps; higher: it fits less)."
+         + _scanned_note(rep), "",
          f"| family | {short} | group | vs | seeds | {fam} final | final | 95% CI | p "
          "| p (Holm) | best | 95% CI | train | 95% CI |",
          "|---|---:|---|---|---|---:|---:|---|---:|---:|---:|---|---:|---|"]
@@ -479,6 +481,16 @@ def _gap_section(rep: Report, axis: TrendAxis, plots: dict[str, str]) -> list[st
     if f"gap_{axis.name}" in plots:
         L += ["", f"![gap vs {axis.name}]({plots[f'gap_{axis.name}']})"]
     return L
+
+
+def _scanned_note(rep: Report) -> str:
+    n = scanned_settings(rep)
+    if not n:
+        return ""
+    fam = rep.baseline.group.family
+    return (f" The {n} setting(s) where the {fam} family ran several groups (an attention-scale "
+            "scan, say) pair nothing here; a scale scan's section compares each arm at its best "
+            "alpha.")
 
 
 def _tuned_section(rep: Report, axis: TrendAxis) -> list[str]:

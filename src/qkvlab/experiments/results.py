@@ -260,16 +260,27 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     attention-scale scan, which experiments/scale_scan.py compares) pairs nothing."""
     fam = rep.baseline.group.family
     at = TREND_AXES.index(axis)
-    found: dict[tuple[float, ...], list[GroupResult]] = {}
-    for g in rep.groups:
-        if g.group.family == fam:
-            found.setdefault(_settings(g), []).append(g)
+    found = _reference_family_settings(rep)
     refs = {k: gs[0] for k, gs in found.items() if len(gs) == 1}
     if len({k[at] for k in refs}) < 2:
         return []
     gaps = [setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
             if g.group.family != fam]
     return _holm_sorted([w for w in gaps if w is not None])
+
+
+def _reference_family_settings(rep: Report) -> dict[tuple[float, ...], list[GroupResult]]:
+    found: dict[tuple[float, ...], list[GroupResult]] = {}
+    for g in rep.groups:
+        if g.group.family == rep.baseline.group.family:
+            found.setdefault(_settings(g), []).append(g)
+    return found
+
+
+def scanned_settings(rep: Report) -> int:
+    """How many trend settings (width, lr) the reference family ran several groups at (an
+    attention-scale scan): `setting_gaps` pairs nothing there."""
+    return sum(len(gs) > 1 for gs in _reference_family_settings(rep).values())
 
 
 def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
