@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -11,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from qkvlab.cli import main as cli_main
 from qkvlab.data import (
@@ -25,6 +28,7 @@ from qkvlab.data import (
 from qkvlab.data import cache as cache_mod
 from qkvlab.data.cache import RemoteFile, fetch_file, fetch_url
 from qkvlab.data.corpus import SHAKESPEARE, SHAKESPEARE_SIZE, source_kind
+from qkvlab.data.loader import epoch_length, shuffled_starts
 from qkvlab.data.prepare import shard_ids, write_tokens
 from qkvlab.errors import QkvlabError
 
@@ -520,6 +524,57 @@ def test_train_batch_ranks_partition_global_batch(shakespeare_char):
     assert torch.equal(torch.cat(quarters), full_x)
     with pytest.raises(ValueError):
         data.train_batch(0, 0, 4, 16, 1, rank=2, world_size=2)
+
+
+def _target_counts(n_tokens: int, starts: np.ndarray, block: int) -> np.ndarray:
+    """How often each training token is a target (y) of the windows at `starts`."""
+    counts = np.zeros(n_tokens, dtype=np.int64)
+    for s in starts:
+        counts[s + 1 : s + block + 1] += 1
+    return counts
+
+
+@given(n_tokens=st.integers(2, 3_000), block=st.integers(1, 200), seed=st.integers(0, 2**31),
+       epochs=st.integers(1, 3))
+@settings(max_examples=60, deadline=None)
+def test_the_shuffled_order_makes_each_token_a_target_once_an_epoch(n_tokens, block, seed,
+                                                                    epochs):
+    assume(n_tokens >= block + 1)
+    k = epoch_length(n_tokens, block)
+    starts = shuffled_starts(n_tokens, block, seed, 0, epochs * k)
+    assert starts.min() >= 0 and starts.max() + block + 1 <= n_tokens  # room for y
+    for e in range(epochs):
+        counts = _target_counts(n_tokens, starts[e * k:(e + 1) * k], block)
+        assert counts.max() == 1  # disjoint targets
+        assert counts.sum() == k * block >= n_tokens - 2 * block + 1  # < 2 windows left
+    # any slice of the stream is the same windows, wherever it starts (exact resume)
+    rest = len(starts) - k // 2
+    assert np.array_equal(shuffled_starts(n_tokens, block, seed, k // 2, rest), starts[k // 2:])
+
+
+def test_shuffled_batches_cover_the_split_once_and_partition_over_ranks(shakespeare_char):
+    data = TokenData(shakespeare_char)
+    block, bs, accum = 64, 8, 2
+    batch = functools.partial(data.train_batch, block_size=block, seed=3, order="shuffled",
+                              grad_accum=accum)
+    x, y = batch(5, 1, bs)
+    assert torch.equal(x[:, 1:], y[:, :-1])
+    # rank slices of a micro-batch, for any world size, are its rows
+    halves = [batch(5, 1, bs // 2, rank=r, world_size=2)[0] for r in range(2)]
+    assert torch.equal(torch.cat(halves), x)
+    # the first steps of a run take consecutive slices of epoch 0: no window twice
+    k = epoch_length(data.train_tokens, block)
+    steps = k // (bs * accum)
+    starts = shuffled_starts(data.train_tokens, block, 3, 0, steps * bs * accum)
+    assert len(set(starts.tolist())) == len(starts)
+    train = torch.from_numpy(np.asarray(data.train, dtype=np.int64))
+    i = (5 * accum + 1) * bs  # micro-batch (5, 1) starts this far into the stream
+    assert torch.equal(x[0], train[starts[i]:starts[i] + block])
+    assert not torch.equal(batch(5, 0, bs)[0], x)
+    with pytest.raises(ValueError, match="micro_step"):
+        batch(5, accum, bs)
+    with pytest.raises(ValueError, match="order"):
+        data.train_batch(0, 0, 2, 16, 1, order="sorted")
 
 
 def test_train_batch_too_little_data(small_dir):

@@ -36,14 +36,15 @@ def losses(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
     return [(r["step"], r.get("loss"), r.get("val_loss")) for r in read_metrics(run_dir)]
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_resume_is_exact(data_dir, tmp_path, dtype):
-    straight = train(config(data_dir, tmp_path / "a", f"train.dtype={dtype}"), quiet=True)
+@pytest.mark.parametrize(("dtype", "order"),
+                         [("fp32", "random"), ("bf16", "random"), ("fp32", "shuffled")])
+def test_resume_is_exact(data_dir, tmp_path, dtype, order):
+    keys = (f"train.dtype={dtype}", f"data.order={order}")
+    straight = train(config(data_dir, tmp_path / "a", *keys), quiet=True)
     # first half: a run that stops at step 4 (max_steps is a harmless key to change)
-    half = config(data_dir, tmp_path / "b", f"train.dtype={dtype}", "train.max_steps=4")
-    train(half, quiet=True)
-    resumed = train(config(data_dir, tmp_path / "b", f"train.dtype={dtype}"), resume=True,
-                    quiet=True)
+    train(config(data_dir, tmp_path / "b", *keys, "train.max_steps=4"), quiet=True)
+    resumed = train(config(data_dir, tmp_path / "b", *keys), resume=True, quiet=True)
+    assert load_config(tmp_path / "b/config.toml").data.order == order
     assert resumed["resumed_from"] == 4
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert [s for s, _, _ in a] == list(range(9))  # step 0 eval, then every step, no duplicates

@@ -1,13 +1,18 @@
 """Read a prepared data dir and cut it into training and validation windows.
 
-Batches are pure functions of their arguments: the window offsets of (seed, step, micro_step)
-come from a generator seeded by exactly those numbers. Resuming at a step replays the same
-batches, and DDP ranks take disjoint slices of one global batch, which is the same for any
-world size.
+Batches are pure functions of their arguments. In the default order, "random", the window
+offsets of (seed, step, micro_step) come from a generator seeded by exactly those numbers: windows
+are drawn with replacement, so a long run repeats some tokens before it has seen others. In the
+"shuffled" order the training split is cut into disjoint windows, visited in a random order that
+is a function of (seed, epoch): each token is a target once an epoch (but for less than two
+windows at the ends), and a run shorter than an epoch sees no token twice. Either way resuming at a
+step replays the same batches, and DDP ranks take disjoint slices of one global batch, which is
+the same for any world size.
 """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,8 @@ from qkvlab.jsonfile import read_json_object
 ID_CHECK_CHUNK = 1 << 24  # tokens per chunk when scanning for out-of-range ids
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _REQUIRED = ("format", "tokenizer", "vocab_size", "dtype", "train_tokens", "val_tokens")
+ORDERS = ("random", "shuffled")  # how training windows are drawn (data.order)
+_SHUFFLE_TAG = 0x5AFF1E  # keeps the shuffled order's generators apart from the random order's
 
 
 def batch_seed(seed: int, step: int, micro_step: int) -> int:
@@ -38,6 +45,37 @@ def mix_seed(*words: int) -> int:
     """A 63-bit generator seed mixing `words` (numpy's SeedSequence: nearby inputs diverge)."""
     state = np.random.SeedSequence([int(w) for w in words]).generate_state(2)
     return (int(state[0]) << 31) ^ int(state[1])
+
+
+def epoch_length(n_tokens: int, block_size: int) -> int:
+    """Windows an epoch of the shuffled order holds: as many disjoint windows as fit after
+    any offset below block_size (at least one)."""
+    return max(1, (n_tokens - block_size) // block_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_windows(n_tokens: int, block_size: int, seed: int, epoch: int) -> np.ndarray:
+    """The start offsets of one epoch of the shuffled order: windows of block_size + 1 tokens
+    that overlap by one (so each token is a target once), from an offset drawn per epoch (the
+    window edges move between epochs), in a random order."""
+    k = epoch_length(n_tokens, block_size)
+    gen = np.random.Generator(np.random.PCG64(mix_seed(_SHUFFLE_TAG, seed, epoch)))
+    offset = int(gen.integers(min(block_size, n_tokens - k * block_size)))
+    return offset + gen.permutation(k).astype(np.int64) * block_size
+
+
+def shuffled_starts(n_tokens: int, block_size: int, seed: int, first: int, count: int
+                    ) -> np.ndarray:
+    """Windows first .. first + count - 1 of the shuffled order, epoch after epoch."""
+    k = epoch_length(n_tokens, block_size)
+    out = np.empty(count, dtype=np.int64)
+    i = 0
+    while i < count:
+        epoch, at = divmod(first + i, k)
+        take = min(count - i, k - at)
+        out[i:i + take] = _epoch_windows(n_tokens, block_size, seed, epoch)[at:at + take]
+        i += take
+    return out
 
 
 def _windows(data: np.ndarray, starts: np.ndarray, block_size: int) -> tuple[torch.Tensor, ...]:
@@ -180,21 +218,35 @@ class TokenData:
         seed: int,
         rank: int = 0,
         world_size: int = 1,
+        *,
+        order: str = "random",
+        grad_accum: int = 1,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s slice (batch_size rows) of the global batch for (seed, step, micro_step).
 
-        The global batch has batch_size * world_size random windows; x and y are int64 of shape
-        (batch_size, block_size), y being x shifted by one token.
+        The global batch has batch_size * world_size windows, drawn in `order` (ORDERS; the
+        shuffled order counts micro-batches, so it needs the step's `grad_accum`); x and y are
+        int64 of shape (batch_size, block_size), y being x shifted by one token.
         """
         if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(
                 f"need batch_size >= 1 and 0 <= rank < world_size, got {batch_size=}, "
                 f"{rank=}, {world_size=}"
             )
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+        if order == "shuffled" and not 0 <= micro_step < grad_accum:
+            raise ValueError(f"need 0 <= micro_step < grad_accum, got {micro_step=}, "
+                             f"{grad_accum=}")
         self._need("train", len(self.train), block_size)
-        gen = torch.Generator().manual_seed(batch_seed(seed, step, micro_step))
-        n_starts = len(self.train) - block_size  # starts 0..n-block-1 leave room for y
-        starts = torch.randint(n_starts, (batch_size * world_size,), generator=gen).numpy()
+        rows = batch_size * world_size
+        if order == "shuffled":
+            first = (step * grad_accum + micro_step) * rows
+            starts = shuffled_starts(len(self.train), block_size, seed, first, rows)
+        else:
+            gen = torch.Generator().manual_seed(batch_seed(seed, step, micro_step))
+            n_starts = len(self.train) - block_size  # starts 0..n-block-1 leave room for y
+            starts = torch.randint(n_starts, (rows,), generator=gen).numpy()
         mine = starts[rank * batch_size : (rank + 1) * batch_size]
         return _windows(self.train, mine, block_size)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import tomli_w
 
+from qkvlab.data.loader import ORDERS
 from qkvlab.errors import QkvlabError, require
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table, shown
@@ -64,10 +65,15 @@ class DataConfig:
     tokenizer: str = "char"
     # Only the embedded corpus is prepared automatically: anything else may be a big download.
     prepare_if_missing: bool = True
+    # How training windows are drawn: "random" offsets (with replacement, nanoGPT's way) or
+    # "shuffled" disjoint windows, each token once an epoch (data/loader.py).
+    order: str = "random"
 
     def __post_init__(self) -> None:
         for name in ("dir", "source", "tokenizer"):
             require(bool(getattr(self, name)), f"invalid config: data.{name} must not be empty")
+        require(self.order in ORDERS, "invalid config: data.order must be one of "
+                f"{', '.join(ORDERS)}, got {self.order!r}")
 
     def prepare_hint(self) -> str:
         """The `qkvlab prepare` command line that creates this data dir."""

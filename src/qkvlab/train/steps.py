@@ -41,7 +41,8 @@ def train_step(s: Session, step: int) -> dict[str, Any]:
     micros = par.micro_steps()  # one process: micro-steps 0..grad_accum-1, whole
     for i, micro in enumerate(micros):
         x, y = s.data.train_batch(step, micro.index, micro.rows, cfg.model.block_size,
-                                  cfg.train.seed, micro.part, micro.parts)
+                                  cfg.train.seed, micro.part, micro.parts,
+                                  order=cfg.data.order, grad_accum=cfg.train.grad_accum)
         x, y = objectives.train_inputs(cfg, s.data.vocab_size, x, y, step, micro.index,
                                        micro.part, micro.parts)  # clm: unchanged; mlm: masked
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
