@@ -8,6 +8,7 @@ float summation order (1e-5), through checkpoints and resumes in either directio
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -93,23 +94,24 @@ def single(data_dir, tmp_path_factory) -> Path:
 
 
 # ---- the batch plan ---------------------------------------------------------------------------
+@pytest.mark.parametrize("order", ["random", "shuffled"])
 @pytest.mark.parametrize("batch_size,grad_accum,world", [
     (4, 2, 1), (4, 2, 2), (4, 1, 2), (4, 1, 4), (6, 4, 8), (8, 6, 4), (3, 4, 2), (12, 40, 8),
 ])
-def test_plan_deals_out_the_single_process_batch(data_dir, batch_size, grad_accum, world):
+def test_plan_deals_out_the_single_process_batch(data_dir, batch_size, grad_accum, world,
+                                                 order):
     """Every rank's windows together are exactly the single-process global batch, disjoint."""
     data = TokenData(data_dir)
     step, seed, block = 5, 7, 8
-    single = {m: data.train_batch(step, m, batch_size, block, seed)[0]
-              for m in range(grad_accum)}
+    batch = functools.partial(data.train_batch, order=order, grad_accum=grad_accum)
+    single = {m: batch(step, m, batch_size, block, seed)[0] for m in range(grad_accum)}
     got: dict[int, list[tuple[int, torch.Tensor]]] = {m: [] for m in range(grad_accum)}
     for rank in range(world):
         plan = plan_batches(batch_size, grad_accum, world, rank)
         assert len(plan.micro_steps()) * plan.rows_per_micro_step * world == \
             batch_size * grad_accum  # the same work on every rank
         for micro in plan.micro_steps():
-            x, _ = data.train_batch(step, micro.index, micro.rows, block, seed, micro.part,
-                                    micro.parts)
+            x, _ = batch(step, micro.index, micro.rows, block, seed, micro.part, micro.parts)
             got[micro.index].append((micro.part, x))
     for m, parts in got.items():
         assert sorted(p for p, _ in parts) == list(range(len(parts)))  # each slice once

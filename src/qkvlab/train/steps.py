@@ -130,7 +130,8 @@ def ckpt_state(s: Session, step: int) -> dict[str, Any]:
             **s.st.checkpoint_fields(),
             "world_size": s.ctx.world_size, "parallel": s.par.mode,
             # batches are a pure function of these: a resume continues the same stream
-            "data_stream": {"seed": tc.seed, "next_step": step, **s.plan.as_dict()},
+            "data_stream": {"seed": tc.seed, "order": s.cfg.data.order, "next_step": step,
+                            **s.plan.as_dict()},
             "skipped_steps": s.st.skipped}
 
 
