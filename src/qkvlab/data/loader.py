@@ -53,7 +53,7 @@ def epoch_length(n_tokens: int, block_size: int) -> int:
     return max(1, (n_tokens - block_size) // block_size)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)  # the epoch a batch is in and the next: 8 bytes a window
 def _epoch_windows(n_tokens: int, block_size: int, seed: int, epoch: int) -> np.ndarray:
     """The start offsets of one epoch of the shuffled order: windows of block_size + 1 tokens
     that overlap by one (so each token is a target once), from an offset drawn per epoch (the
