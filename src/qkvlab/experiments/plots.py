@@ -179,11 +179,13 @@ def _errorbars(ax, xs: list[float], ys: list[float], lo: list[float], hi: list[f
         ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label)
 
 
-def _gap_points(gaps: list[SettingGap], nudge: float
+def _gap_points(gaps: list[SettingGap], nudge: float, best: bool = False
                 ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """x (nudged so that rows at one value do not hide each other), the final loss's gap in %
-    and its interval's lower/upper error bar (0 for one seed)."""
-    rs = [(w.value * nudge, w.result) for w in gaps if w.result.rel_pct is not None]
+    """x (times `nudge`, so that lines at one value do not hide each other), the gap in % at
+    the end (or at each run's best validation loss) and its interval's lower/upper error bar
+    (0 for one seed)."""
+    rs = [(w.value * nudge, w.best if best else w.result) for w in gaps]
+    rs = [(x, r) for x, r in rs if r.rel_pct is not None]
     lo = [r.rel_pct - r.rel_ci[0] if r.rel_ci[0] is not None else 0.0 for _, r in rs]
     hi = [r.rel_ci[1] - r.rel_pct if r.rel_ci[1] is not None else 0.0 for _, r in rs]
     return [x for x, _ in rs], [r.rel_pct for _, r in rs], lo, hi
@@ -226,15 +228,9 @@ def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> 
     colors = variant_colors(fams)
     for fam in fams:
         for which, nudge, style, fill in (("final", 1.0, "-", None), ("best", 1.04, "--", "none")):
-            pts = [(w.value * nudge, w.result if which == "final" else w.best) for w in gaps
-                   if w.family == fam]
-            pts = [(x, r) for x, r in pts if r.rel_pct is not None]
-            ys = [r.rel_pct for _, r in pts]
-            lo = [y - (r.rel_ci[0] if r.rel_ci[0] is not None else y)
-                  for (_, r), y in zip(pts, ys, strict=True)]
-            hi = [(r.rel_ci[1] if r.rel_ci[1] is not None else y) - y
-                  for (_, r), y in zip(pts, ys, strict=True)]
-            ax.errorbar([x for x, _ in pts], ys, yerr=[lo, hi], marker="o", capsize=3,
+            xs, ys, lo, hi = _gap_points([w for w in gaps if w.family == fam], nudge,
+                                         best=which == "best")
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3,
                         ls=style, mfc=fill, label=f"{fam} ({which} val)", color=colors[fam])
     ax.axhline(0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
