@@ -221,6 +221,40 @@ def test_attention_statistics_are_measured_cached_and_archived(tmp_path, data_di
     assert again["attention"] == rows
 
 
+def test_archive_measures_the_attention_that_its_copy_could_not(tmp_path, data_dir, capsys):
+    """Archived before any `report --attention`, the copy still reports every run's attention:
+    the archive measures it from each final checkpoint on the way out. Without the data to
+    measure on, it stops with one line and writes nothing."""
+    import shutil
+
+    from qkvlab.cli import main
+
+    data = tmp_path / "data"
+    shutil.copytree(data_dir, data)
+    sweep_report(tmp_path, data, "")  # a report without --attention measures nothing
+    sw, arch = tmp_path / "sw", tmp_path / "arch"
+    assert not list(sw.rglob("attention_stats.json"))
+    assert main(["archive", str(sw), str(tmp_path / "bare"), "--no-attention"]) == 0
+    assert not list((tmp_path / "bare").rglob("attention_stats.json"))
+
+    data.rename(tmp_path / "gone")
+    capsys.readouterr()
+    assert main(["archive", str(sw), str(arch)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no prepared data at" in err and "qkvlab prepare" in err and len(err.splitlines()) == 1
+    assert not arch.exists()
+
+    (tmp_path / "gone").rename(data)
+    assert main(["archive", str(sw), str(arch)]) == 0
+    assert len(list(arch.rglob("attention_stats.json"))) == 4  # 2 variants x 2 seeds
+    reports = {}
+    for name, folder in (("sweep", sw), ("archive", arch)):
+        assert main(["report", str(folder), "--out", str(tmp_path / name), "--attention"]) == 0
+        reports[name] = json.loads((tmp_path / name / "report.json").read_text())["attention"]
+    assert set(reports["archive"]) == {"baseline", "qid"}
+    assert reports["archive"] == reports["sweep"]
+
+
 def test_the_lr_table_has_a_row_per_family_and_width_with_the_best_group_at_each_lr(
         tmp_path, data_dir):
     """An alpha scan at one lr and a second width: each cell is its row's best group there."""

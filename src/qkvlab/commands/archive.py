@@ -12,6 +12,7 @@ class ArchiveOptions:
     sweep_dir: str
     dest: str
     finished: bool = False
+    no_attention: bool = False
 
 
 def run_archive(opts: ArchiveOptions) -> int:
@@ -22,7 +23,8 @@ def run_archive(opts: ArchiveOptions) -> int:
 
     src, dest = Path(opts.sweep_dir), Path(opts.dest)
     check_output_folder(dest, "DEST")
-    n, left = archive_sweep(src, dest, finished_only=opts.finished)
+    n, left = archive_sweep(src, dest, finished_only=opts.finished,
+                            attention=not opts.no_attention)
     print(f"copied the records of {n} runs from {src} to {dest} (no checkpoints)"
           + (f"; left out {left} unfinished run(s)" if left else ""))
     return 0
@@ -36,4 +38,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--finished", action="store_true",
                    help="copy only the runs that reached max_steps (archive a sweep that is "
                         "still training)")
+    p.add_argument("--no-attention", action="store_true",
+                   help="do not measure each finished run's attention from its final "
+                        "checkpoint first (by default it is, so that `qkvlab report "
+                        "--attention` of the archive shows every run)")
     register(p, ArchiveOptions, run_archive)

@@ -5,11 +5,13 @@ sweep's own files and each run's config, metrics, summary and (after `qkvlab rep
 --per-window`) its per-window losses. `qkvlab report DEST --per-window` gives the same report
 from the copy, and `qkvlab sweep DEST` sees its finished runs as done. With `finished_only`
 (`--finished`) a sweep still training is archived without its unfinished runs, so a grid that
-takes days can commit each run's records as it completes. Into an archive of the same spec (runs
-of one grid trained on two machines, say) the sweep record is merged: the groups of both, and
-every session of both, so the archive keeps how each of its runs was launched, and the spec copy
-of whichever was launched last (a sweep begun under an older spec and archived later does not
-bring that spec back).
+takes days can commit each run's records as it completes. Each finished run's attention
+statistics (`qkvlab report --attention`) are measured from its final checkpoint first and go
+with its records: without checkpoints the archive could not measure them later. Into an archive
+of the same spec (runs of one grid trained on two machines, say) the sweep record is merged: the
+groups of both, and every session of both, so the archive keeps how each of its runs was
+launched, and the spec copy of whichever was launched last (a sweep begun under an older spec
+and archived later does not bring that spec back).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE
+from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE, attention_record
 from qkvlab.experiments.sweep import SWEEP_FILE
 from qkvlab.fsutil import check_inside, write_text_atomic
 from qkvlab.run.config import load_config
@@ -33,9 +35,11 @@ RUN_RECORDS = (CONFIG_FILE, METRICS_FILE, SUMMARY_FILE, FAILED_FILE, WINDOW_FILE
                ATTENTION_FILE, REUSED_FILE)
 
 
-def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[int, int]:
+def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
+                  attention: bool = True) -> tuple[int, int]:
     """Copy the records of sweep folder `src` into `dest`: (runs copied, unfinished runs left
-    out; 0 without `finished_only`)."""
+    out; 0 without `finished_only`). With `attention`, each finished run's attention record is
+    measured first where its final checkpoint is there and the record is not."""
     if not (src / SWEEP_FILE).is_file():
         raise QkvlabError(f"{src} is not a sweep folder (no {SWEEP_FILE}): pass the folder "
                           "`qkvlab sweep` wrote")
@@ -45,7 +49,12 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False) -> tuple[i
     if older:  # the fingerprint goes with the spec copy it describes
         merged["fingerprint"] = (read_json_record(dest / SWEEP_FILE) or {}).get("fingerprint")
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
-    kept = [r for r in runs if _finished(r)] if finished_only else runs
+    finished = [r for r in runs if _finished(r)]
+    kept = finished if finished_only else runs
+    if attention:  # before any copy, so a run whose data is gone stops the archive unwritten
+        for run in finished:
+            cfg = load_config(run / CONFIG_FILE)
+            attention_record(run, cfg.train.max_steps, cfg)
     copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()
               and not (older and name == SPEC_FILE)]
     copies += [(run / name, dest / run.relative_to(src) / name)

@@ -151,6 +151,8 @@ def find_seeds(group_dir: Path) -> list[int]:
 
 def per_window_losses(run: RunData, group: Group) -> list[float] | None:
     """The final checkpoint's loss on each fixed validation window (cached in the run folder)."""
+    if run.status != "done":
+        return None
     cfg = run_config(run.run_dir, group)
     key = {"windows": cfg.train.eval_windows, "block_size": cfg.model.block_size,
            "objective": cfg.train.objective}
@@ -162,7 +164,8 @@ def per_window_losses(run: RunData, group: Group) -> list[float] | None:
             return objectives.window_losses(model, x, y, cfg.train.eval_batch_size
                                             or cfg.train.batch_size, device, cfg.train.dtype)
 
-    cached = _final_checkpoint_record(run, cfg, WINDOW_FILE, key, "losses", score)
+    cached = _final_checkpoint_record(run.run_dir, run.max_steps, cfg, WINDOW_FILE, key,
+                                      "losses", score)
     return None if cached is None else [float(v) for v in cached]
 
 
@@ -173,38 +176,46 @@ def attention_summary(run: RunData, group: Group) -> list[dict[str, float]] | No
     """Per layer, the final checkpoint's attention logit std and row entropy on the first
     ATTENTION_WINDOWS validation windows (theory.scale.attention_stats; cached in the run
     folder)."""
-    cfg = run_config(run.run_dir, group)
+    if run.status != "done":
+        return None
+    return attention_record(run.run_dir, run.max_steps, run_config(run.run_dir, group))
+
+
+def attention_record(run_dir: Path, max_steps: int, cfg: Any) -> list[dict[str, float]] | None:
+    """`attention_summary` of a finished run folder, given the config it trained with (what
+    `qkvlab archive` measures before it leaves the checkpoints behind)."""
     key = {"windows": ATTENTION_WINDOWS, "block_size": cfg.model.block_size}
 
     def measure(model: torch.nn.Module, data: Any, device: torch.device) -> list[dict]:
         x, _ = data.val_windows(ATTENTION_WINDOWS, cfg.model.block_size)
         return attention_stats(model.float(), x.to(device))
 
-    return _final_checkpoint_record(run, cfg, ATTENTION_FILE, key, "layers", measure)
+    return _final_checkpoint_record(run_dir, max_steps, cfg, ATTENTION_FILE, key, "layers",
+                                    measure)
 
 
-def _final_checkpoint_record(run: RunData, cfg: Any, name: str, key: dict[str, Any],
-                             field_: str, compute: Callable[..., Any]) -> Any:
-    """`compute(model, data, device)` of a finished run's final checkpoint, cached in the run
-    folder as `name` under `key`; an archived run (no checkpoints) answers from its cache."""
-    if run.status != "done":
-        return None
-    cache = read_json_record(run.run_dir / name)
+def _final_checkpoint_record(run_dir: Path, max_steps: int, cfg: Any, name: str,
+                             key: dict[str, Any], field_: str,
+                             compute: Callable[..., Any]) -> Any:
+    """`compute(model, data, device)` of a finished run's final checkpoint (step max_steps),
+    cached in the run folder as `name` under `key`; an archived run (no checkpoints) answers
+    from its cache."""
+    cache = read_json_record(run_dir / name)
     cached = None
-    if cache and cache.get("step") == run.max_steps and all(cache.get(k) == v
-                                                            for k, v in key.items()):
+    if cache and cache.get("step") == max_steps and all(cache.get(k) == v
+                                                        for k, v in key.items()):
         cached = cache.get(field_)
-    ckpts = list_checkpoints(run.run_dir)
+    ckpts = list_checkpoints(run_dir)
     if not ckpts:  # an archived sweep (qkvlab archive): the cache stands in
         return cached
     ckpt = read_checkpoint(ckpts[-1])
-    if ckpt.step != run.max_steps:
+    if ckpt.step != max_steps:
         return None
     if cached is not None:
         return cached
     device = resolve_device("auto")
     model, _ = load_model(ckpt.path, device)
     value = compute(model, open_data(cfg.data, lambda _m: None), device)
-    write_text_atomic(run.run_dir / name, json.dumps(
+    write_text_atomic(run_dir / name, json.dumps(
         {"step": ckpt.step, **key, field_: value}) + "\n")
     return value
