@@ -25,7 +25,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE, attention_record
 from qkvlab.experiments.sweep import SWEEP_FILE
 from qkvlab.fsutil import check_inside, write_text_atomic
-from qkvlab.run.config import load_config
+from qkvlab.run.config import RunConfig, load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.records import is_finished, read_json_record
 
@@ -49,11 +49,10 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
     if older:  # the fingerprint goes with the spec copy it describes
         merged["fingerprint"] = (read_json_record(dest / SWEEP_FILE) or {}).get("fingerprint")
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
-    finished = [r for r in runs if _finished(r)]
-    kept = finished if finished_only else runs
+    finished = {r: cfg for r in runs if (cfg := _finished_config(r))}
+    kept = list(finished) if finished_only else runs
     if attention:  # before any copy, so a run whose data is gone stops the archive unwritten
-        for run in finished:
-            cfg = load_config(run / CONFIG_FILE)
+        for run, cfg in finished.items():
             attention_record(run, cfg.train.max_steps, cfg)
     copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()
               and not (older and name == SPEC_FILE)]
@@ -112,7 +111,7 @@ def _check_destination(src: Path, dest: Path) -> None:
                           "new folder, or remove that archive first")
 
 
-def _finished(run: Path) -> bool:
-    """The run's summary says it reached its config's max_steps."""
-    max_steps = load_config(run / CONFIG_FILE).train.max_steps
-    return is_finished(read_json_record(run / SUMMARY_FILE), max_steps)
+def _finished_config(run: Path) -> RunConfig | None:
+    """The run's config if its summary says it reached the config's max_steps, else None."""
+    cfg = load_config(run / CONFIG_FILE)
+    return cfg if is_finished(read_json_record(run / SUMMARY_FILE), cfg.train.max_steps) else None
