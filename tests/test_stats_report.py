@@ -369,6 +369,27 @@ attn_scale = 0.7
     assert t["relative_pct"] == pytest.approx(50 * sum(want) / ref)
     assert t["alpha"] == cells[("qid", 32)]["best_alpha"]
     assert t["reference_alpha"] == cells[("baseline", 32)]["best_alpha"]
+    # every alpha (2 seeds each here) against the baseline's best at its width, but that best
+    fixed = {(a["group"], a["width"]): a for a in data["scale_alpha_gaps"]}
+    refs = {w: tuned[("qid", w)]["reference"] for w in (16, 32)}
+    every = {(p["group"], w) for (_, w), c in cells.items() for p in c["points"]}
+    assert set(fixed) == every - {(refs[16], 16), (refs[32], 32)}
+    for (g, w), a in fixed.items():
+        want = [runs[(g, s)] - runs[(refs[w], s)] for s in (1, 2)]
+        ref = (runs[(refs[w], 1)] + runs[(refs[w], 2)]) / 2
+        assert a["reference"] == refs[w]
+        assert a["relative_pct"] == pytest.approx(50 * sum(want) / ref)
+    assert "### Each alpha run on several seeds against baseline at its best" in text
+    # one seed gives no interval: an alpha left with one seed is not paired
+    import shutil
+
+    from qkvlab.cli import main
+
+    lone = next(g for g, w in fixed if w == 32 and g.startswith("qid"))
+    shutil.rmtree(tmp_path / "sw" / lone / "seed-2")
+    assert main(["report", str(tmp_path / "sw"), "--out", str(tmp_path / "rep2")]) == 0
+    again = json.loads((tmp_path / "rep2" / "report.json").read_text())
+    assert {a["group"] for a in again["scale_alpha_gaps"]} == {g for g, _ in fixed} - {lone}
     assert "## The attention scale" in text and "Each arm at its own best alpha" in text
     assert "| best alpha | fitted |" in text
     assert "| family | d | lr | alpha | baseline alpha |" in text

@@ -5,13 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from qkvlab.experiments.render import gap_cells
-from qkvlab.experiments.scale_scan import AlphaTrend, RuleGap, ScanCell, TunedGap, alpha_trends
+from qkvlab.experiments.scale_scan import (
+    AlphaGap,
+    AlphaTrend,
+    RuleGap,
+    ScanCell,
+    TunedGap,
+    alpha_trends,
+)
 
 
 def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
-                 plots: dict[str, str], rules: Sequence[RuleGap] = ()) -> list[str]:
-    """The loss at each alpha, each family's best alpha per width, the tuned gap, and each
-    named scale rule against the reference under the same rule."""
+                 plots: dict[str, str], rules: Sequence[RuleGap] = (),
+                 fixed: Sequence[AlphaGap] = ()) -> list[str]:
+    """The loss at each alpha, each family's best alpha per width, the tuned gap, each named
+    scale rule against the reference under the same rule, and each alpha run on several seeds
+    against the reference at its best."""
     if not cells:
         return []
     alphas = sorted({p.alpha for c in cells for p in c.points})
@@ -60,7 +69,26 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
                      f"{', '.join(map(str, t.gap.result.seeds))} | {gap_cells(t.gap)} |")
         if "tuned_gap_width" in plots:
             L += ["", f"![tuned gap vs width]({plots['tuned_gap_width']})"]
-    return L + _rule_table(rules, ref)
+    return L + _rule_table(rules, ref) + _alpha_table(fixed, ref)
+
+
+def _alpha_table(alphas: Sequence[AlphaGap], ref: str) -> list[str]:
+    """Each alpha run on two or more seeds against `ref` at its best alpha: the cost of a fixed
+    scale (the paper's 0.5, the standard 1) against a tuned reference."""
+    if not alphas:
+        return []
+    L = ["", f"### Each alpha run on several seeds against {ref} at its best", "",
+         f"What a fixed scale costs against a tuned {ref}: every alpha of a scan that ran two or "
+         f"more seeds (each family's best again, as above), paired by seed with {ref} at its "
+         f"best alpha at the same width and lr, as % of its loss.", "",
+         f"| family | d | lr | alpha | {ref} alpha | seeds | final | 95% CI | p | p (Holm) "
+         "| best | 95% CI | train | 95% CI |",
+         "|---|---:|---:|---:|---:|---|---:|---|---:|---:|---:|---|---:|---|"]
+    for a in alphas:
+        L.append(f"| {a.gap.family} | {a.gap.value:g} | {a.lr:g} | {a.alpha:.3g} | "
+                 f"{a.reference_alpha:.3g} | {', '.join(map(str, a.gap.result.seeds))} | "
+                 f"{gap_cells(a.gap)} |")
+    return L
 
 
 def _rule_table(rules: Sequence[RuleGap], ref: str) -> list[str]:

@@ -155,6 +155,7 @@ def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
         "scale_tuned_gaps": [t.as_dict() for t in scan.tuned],
         "alpha_trends": [t.as_dict() for t in alpha_trends(scan.cells)],
         "scale_rule_gaps": [r.as_dict() for r in scan.rules],
+        "scale_alpha_gaps": [a.as_dict() for a in scan.alphas],
         "runs": [r.as_dict() for r in rep.runs()],
     }
 
@@ -205,6 +206,7 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     write_text_atomic(out / "report.json",
                       json.dumps(report_json(rep, command, scan), indent=1) + "\n")
     path = out / "report.md"
-    section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules)
+    section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules,
+                           scan.alphas)
     write_text_atomic(path, render_markdown(rep, command, plots, section))
     return path

@@ -17,7 +17,9 @@ the best point and its neighbours estimates the optimum (`fitted`), and a power 
 one lr) or of the lr (at one width) fitted to those optima says how it moves (`alpha_trends`). A
 group whose scale is a named rule (`model.attn_scale = "unit"`, `"fitted"`) is also paired with the
 reference family's group under the same rule at the same width and lr (`rule_gaps`): at a width the
-rule was not fitted on, that is the rule's held-out test.
+rule was not fitted on, that is the rule's held-out test. Every alpha of a scan that ran two or
+more seeds is also paired with the reference's best (`alpha_gaps`): what a fixed scale (the paper's
+0.5, the standard 1) costs against a tuned reference, with an interval.
 """
 
 from __future__ import annotations
@@ -148,6 +150,22 @@ class RuleGap:
                 "group": self.gap.group, "reference": self.gap.reference, **self.gap.as_dict()}
 
 
+@dataclass(frozen=True)
+class AlphaGap:
+    """One alpha of a family's scan, on two or more seeds, against the reference family at its
+    best alpha at the same width and lr."""
+
+    alpha: float
+    reference_alpha: float
+    lr: float
+    gap: SettingGap  # value = the width
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"family": self.gap.family, "width": self.gap.value, "lr": self.lr,
+                "alpha": self.alpha, "reference_alpha": self.reference_alpha,
+                "group": self.gap.group, "reference": self.gap.reference, **self.gap.as_dict()}
+
+
 def _key(g: GroupResult) -> tuple[str, int, float]:
     cfg = g.group.config
     return g.group.family, cfg.model.n_embd, cfg.optim.lr
@@ -189,12 +207,14 @@ class ScaleScan:
     cells: list[ScanCell]  # the scanned ones: two or more alphas sharing a seed
     tuned: list[TunedGap]
     rules: list[RuleGap]  # empty outside a scan, where every group runs a rule ("paper")
+    alphas: list[AlphaGap]  # each alpha run on 2+ seeds against the reference at its best
 
     @classmethod
     def of(cls, rep: Report) -> ScaleScan:
         every = _all_cells(rep)
         cells = [c for c in every if c.scanned]
-        return cls(cells, _tuned_gaps(rep, every), rule_gaps(rep) if cells else [])
+        return cls(cells, _tuned_gaps(rep, every), rule_gaps(rep) if cells else [],
+                   _alpha_gaps(rep, cells))
 
 
 def _tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
@@ -213,6 +233,26 @@ def _tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:
         if w is not None:
             out.append(TunedGap(c, ref, w))
     return sorted(out, key=lambda t: (t.cell.family, t.cell.width, t.cell.lr))
+
+
+def _alpha_gaps(rep: Report, cells: list[ScanCell]) -> list[AlphaGap]:
+    """Every scanned alpha with two or more seeds paired with the reference family's best at the
+    same width and lr (the reference's own other alphas too); by family, width, lr, alpha."""
+    fam = rep.baseline.group.family
+    groups = {g.group.name: g for g in rep.groups}
+    refs = {(c.width, c.lr): c for c in cells if c.family == fam}
+    out = []
+    for c in cells:
+        ref = refs.get((c.width, c.lr))
+        if ref is None:
+            continue
+        for p in c.points:
+            if p.seeds < 2 or p.group == ref.best.group:
+                continue
+            w = setting_gap(groups[p.group], groups[ref.best.group], 0)  # axis 0: the width
+            if w is not None and len(w.result.seeds) > 1:  # one pair gives no interval
+                out.append(AlphaGap(p.alpha, ref.best.alpha, c.lr, w))
+    return sorted(out, key=lambda a: (a.gap.family, a.gap.value, a.lr, a.alpha))
 
 
 def _rule_of(g: GroupResult) -> str | None:
