@@ -19,8 +19,9 @@
 # PARTS (default "d768 seeds512 lr512 d512 d384 d384scan d256 k256 lr128 seeds128 seeds256",
 # in that order: what no CPU has run first) picks the parts: a wide width's scan with its fitted-
 # and unit-rule cells (d768, d512), the three-seed cells of the paper's and the standard scale at
-# d = 512 (bf16) with the baseline's best scanned alpha there (0.35; W_Q = I's best is the
-# rule's), d = 512 at lr 2e-3 (lr512: both arms, two alphas each, one seed), the held-out d = 384 cells (three seeds) and its scan (one seed), the d = 256 cells
+# d = 512 (bf16) with the baseline's best scanned alpha there (0.35; W_Q = I's best, alpha 1,
+# is one of these cells), d = 512 at lr 2e-3 (lr512: both arms, two alphas each, one seed), the
+# held-out d = 384 cells (three seeds) and its scan (one seed), the d = 256 cells
 # (fp32, as on the CPU: the same runs; k256 is W_K = I's scan there), d = 128's learning-rate
 # check and its three-seed cells (fp32, like the CPU's), and the three-seed cells of the
 # paper's and the standard scale at d = 256 (fp32). Runs
