@@ -20,7 +20,7 @@
 # in that order: what no CPU has run first) picks the parts: a wide width's scan with its fitted-
 # and unit-rule cells (d768, d512), the three-seed cells of the paper's and the standard scale at
 # d = 512 (bf16) with the baseline's best scanned alpha there (0.35; W_Q = I's best, alpha 1,
-# is one of these cells), d = 512 at lr 2e-3 (lr512: both arms, two alphas each, one seed), the
+# is one of these cells), d = 512 at lr 2e-3 and 5e-4 (lr512: both arms, one seed), the
 # held-out d = 384 cells (three seeds) and its scan (one seed), the d = 256 cells
 # (fp32, as on the CPU: the same runs; k256 is W_K = I's scan there), d = 128's learning-rate
 # check and its three-seed cells (fp32, like the CPU's), and the three-seed cells of the
@@ -89,7 +89,8 @@ part_args() {  # the sweep arguments of one part of the study
         seeds512) echo "--only q-identity-d512.scale0.0625,q-identity-d512.scale0.125" \
                        "--only baseline-d512.scale0.125,baseline-d512.scale0.04375" \
                        "--seeds 1,2,3" ;;
-        lr512) echo "--only baseline-d512-lr2x,q-identity-d512-lr2x" ;;
+        lr512) echo "--only baseline-d512-lr2x,q-identity-d512-lr2x" \
+                    "--only baseline-d512-lr0.5x,q-identity-d512-lr0.5x" ;;
         *) echo "unknown part $1 (d512, d384, d384scan, d768, d256, k256, lr128, lr512," \
                 "seeds128, seeds256, seeds512)" >&2
            return 2 ;;
