@@ -1,4 +1,5 @@
-"""The statistics of the experiment report: means over seeds, paired t-tests, run speed.
+"""The statistics of the experiment report: means over seeds, paired t-tests, equivalence
+tests (TOST), Holm's adjustment, run speed.
 
 Why paired: every run of a sweep is scored on the same fixed validation windows, and runs that
 share a seed share their batch order, so the difference variant - baseline at the same seed
@@ -88,6 +89,60 @@ def paired_t(diffs: Sequence[float], confidence: float = 0.95) -> PairedTest:
     ci = test.confidence_interval(confidence)
     return PairedTest(s.n, s.mean, s.std, s.std / math.sqrt(s.n), float(test.statistic), df,
                       float(test.pvalue), float(ci.low), float(ci.high), confidence)
+
+
+@dataclass(frozen=True)
+class EquivalenceTest:
+    """Two one-sided paired t-tests (TOST): is the mean difference inside (-margin, +margin)?
+
+    p is the larger of the two one-sided p-values, and the pair is `equivalent` ("level",
+    within the margin) when p < alpha: the same as the 1 - 2 alpha interval [ci_low, ci_high]
+    (90% for alpha 0.05) lying inside the margin. The margin is part of the answer, so every
+    output that calls two arms level states it. Fields a sample this small cannot give are None.
+    """
+
+    n: int
+    mean: float | None
+    se: float | None
+    df: int
+    margin: float
+    p_lower: float | None  # H0: mean <= -margin
+    p_upper: float | None  # H0: mean >= +margin
+    p: float | None
+    ci_low: float | None
+    ci_high: float | None
+    alpha: float
+
+    @property
+    def equivalent(self) -> bool:
+        return self.p is not None and self.p < self.alpha
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "equivalent": self.equivalent}
+
+
+def tost_paired(diffs: Sequence[float], margin: float, alpha: float = 0.05) -> EquivalenceTest:
+    """TOST of paired differences `diffs` (variant - reference, one per pair) against the
+    equivalence margin (-margin, +margin), in the units of `diffs` (a loss, or a percentage of
+    the reference loss)."""
+    from scipy import stats as st  # see paired_t
+
+    if not margin > 0:
+        raise ValueError(f"the equivalence margin must be positive, got {margin}")
+    s = summarize(diffs)
+    df = max(s.n - 1, 0)
+    if s.n < 2 or s.std is None or s.mean is None:
+        return EquivalenceTest(s.n, s.mean, None, df, margin, None, None, None, None, None, alpha)
+    if max(diffs) == min(diffs):  # no spread: the difference is known exactly (see paired_t)
+        d = float(diffs[0])
+        p_lo, p_hi = float(d <= -margin), float(d >= margin)
+        return EquivalenceTest(s.n, d, 0.0, df, margin, p_lo, p_hi, max(p_lo, p_hi), d, d, alpha)
+    se = s.std / math.sqrt(s.n)
+    p_lo = float(st.t.sf((s.mean + margin) / se, df))
+    p_hi = float(st.t.cdf((s.mean - margin) / se, df))
+    half = float(st.t.ppf(1 - alpha, df)) * se
+    return EquivalenceTest(s.n, s.mean, se, df, margin, p_lo, p_hi, max(p_lo, p_hi),
+                           s.mean - half, s.mean + half, alpha)
 
 
 def holm(pvalues: Sequence[float | None]) -> list[float | None]:
