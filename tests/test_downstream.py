@@ -317,6 +317,9 @@ class Bigram(torch.nn.Module):
     def hidden_states(self, idx):
         return torch.nn.functional.one_hot(idx, self.cfg.vocab_size).float()
 
+    def head(self, h):
+        return self.lm_head(h)
+
 
 def test_score_by_hand_with_truncation_and_greedy():
     w = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]))

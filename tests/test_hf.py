@@ -102,6 +102,11 @@ EXPORTABLE = {
     "q-identity-learned": dict(projection="q-identity", attn_scale="learned"),
     "k-identity-learned": dict(projection="k-identity", attn_scale="learned"),
     "baseline-learned-gqa": dict(attn_scale="learned", n_kv_head=2),
+    # μP at 4x its base width (and 2x its depth): the tied head's readout multiplier 1/4 folds
+    # into an untied head; every other multiplier already lives in the weights
+    "mup-q-identity-tied": dict(projection="q-identity", parametrization="mup", base_width=8),
+    "mup-baseline-completep": dict(parametrization="mup", base_width=16, base_depth=1,
+                                   depth_scaling="completep"),
 }
 
 
@@ -131,14 +136,16 @@ def test_q_identity_writes_half_identity(tmp_path):
 
 @pytest.mark.parametrize("name", ["baseline", "q-identity", "q-identity-wide-untied-scale",
                                   "k-identity", "v-identity", "baseline-scale-bias",
-                                  "shared-no-positions-gelu-tanh"])
+                                  "shared-no-positions-gelu-tanh", "mup-q-identity-tied"])
 def test_export_import_round_trip(tmp_path, name):
     model = random_gpt(tiny(**EXPORTABLE[name]))
     export_checkpoint(save_ckpt(model, tmp_path / "run"), tmp_path / "hf", verify=False)
     result = import_model_dir(tmp_path / "hf", tmp_path / "back", verify=False)
     back, _ = load_model(tmp_path / "back")
-    keys = ["projection", "bias", "tie_embeddings", "hidden", "activation", "positions",
-            "vocab_size", "block_size"]
+    keys = ["projection", "bias", "hidden", "activation", "positions", "vocab_size",
+            "block_size"]
+    # a μP head tied to the embedding comes back untied, its multiplier folded in
+    assert back.cfg.tie_embeddings == (model.cfg.tie_embeddings and model.readout_mult == 1)
     if model.cfg.projection != "baseline":  # a baseline's scale ratio stays folded into W_Q
         keys.append("attn_scale")
     for key in keys:

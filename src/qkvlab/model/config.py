@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qkvlab.errors import QkvlabError, require
+from qkvlab.model.parametrization import DEPTH_ALPHA, PARAMETRIZATIONS, ZERO_INITS
 from qkvlab.model.scale import (
     SCALE_BOUNDS,
     SCALE_RULES,
@@ -48,6 +49,14 @@ SAVED_DEFAULTS: dict[str, Any] = {"attn_scale": "paper", "attn_impl": "sdpa"}
 # Of those, the keys that records written before the rule names stored as null, as sweep
 # fingerprints still hash them (experiments/spec.py).
 NULL_IN_OLD_RECORDS: tuple[str, ...] = ("attn_scale",)
+# Keys added after sweeps were archived, at the values that mean what those sweeps ran: a
+# fingerprint leaves them out at these values, so it stays what it was (experiments/spec.py).
+FINGERPRINT_NEUTRAL: dict[str, Any] = {"parametrization": "standard", "base_width": None,
+                                       "base_depth": None, "depth_scaling": None,
+                                       "attn_zero_init": "none"}
+# depth_scaling unset: none under "standard"; under "mup" the rule whose activations and
+# updates the coordinate check found flat from 2 to 16 layers (docs/theory.md section 7)
+DEFAULT_DEPTH_SCALING: dict[str, str] = {"standard": "none", "mup": "completep"}
 
 
 def kernel_for(attn_impl: str, device_type: str) -> str:
@@ -68,9 +77,12 @@ def migrate_model_table(table: Any) -> Any:
 
 def old_record_nulls(table: dict[str, Any]) -> dict[str, Any]:
     """The inverse for fingerprints: a NULL_IN_OLD_RECORDS key holding its saved default is
-    written as null, as records made before the rule names hold it."""
-    return {**table, **{k: None for k in NULL_IN_OLD_RECORDS
-                        if table.get(k) == SAVED_DEFAULTS[k]}}
+    written as null, as records made before the rule names hold it, and a FINGERPRINT_NEUTRAL
+    key at its neutral value is left out, as records made before it existed lack it."""
+    kept = {k: v for k, v in table.items()
+            if not (k in FINGERPRINT_NEUTRAL and v == FINGERPRINT_NEUTRAL[k])}
+    return {**kept, **{k: None for k in NULL_IN_OLD_RECORDS
+                       if table.get(k) == SAVED_DEFAULTS[k]}}
 
 
 def _positive_int(value: Any) -> bool:
@@ -129,6 +141,13 @@ class ModelConfig:
     attn_scale: float | str = "paper"
     attn_impl: str = "auto"  # see ATTN_IMPLS
     init_std: float = 0.02
+    # how init, lr and decay scale with the shape (model/parametrization.py): "standard" or
+    # "mup", relative to the base shape (None: this model's own width / depth)
+    parametrization: str = "standard"
+    base_width: int | None = None
+    base_depth: int | None = None
+    depth_scaling: str | None = None  # none | depth-mup | completep; None: DEFAULT_DEPTH_SCALING
+    attn_zero_init: str = "none"  # none | query | key: that logit factor's weight starts at 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -170,6 +189,11 @@ class ModelConfig:
                                self.init_std)
 
     @property
+    def depth_rule(self) -> str:
+        """The depth scaling in force (depth_scaling, or its default for the parametrization)."""
+        return self.depth_scaling or DEFAULT_DEPTH_SCALING[self.parametrization]
+
+    @property
     def alpha(self) -> float:
         """The scale over the standard 1/sqrt(d_k): the coordinate of the scale scans."""
         return self.scale * math.sqrt(self.d_head)
@@ -195,7 +219,7 @@ class ModelConfig:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
             require(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_kv_head", "head_dim", "mlp_hidden"):
+        for name in ("n_kv_head", "head_dim", "mlp_hidden", "base_width", "base_depth"):
             value = getattr(self, name)
             require(value is None or _positive_int(value),
                   f"{name} must be a positive integer or unset, got {value!r}")
@@ -219,9 +243,18 @@ class ModelConfig:
     def _check_choices(self) -> None:
         for name, allowed in (("projection", PROJECTIONS), ("activation", ACTIVATIONS),
                               ("mlp", MLPS), ("norm", NORMS), ("positions", POSITIONS),
-                              ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS)):
+                              ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS),
+                              ("parametrization", PARAMETRIZATIONS),
+                              ("attn_zero_init", ZERO_INITS)):
             value = getattr(self, name)
             require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+        require(self.depth_scaling is None or self.depth_scaling in DEPTH_ALPHA,
+                f"depth_scaling={self.depth_scaling!r} is not one of {', '.join(DEPTH_ALPHA)}")
+        zeroed = {"query": ("q-identity", "nonlinear-q"), "key": ("k-identity",)}
+        require(self.projection not in zeroed.get(self.attn_zero_init, ()),
+                f"attn_zero_init={self.attn_zero_init!r} needs a learned W_"
+                f"{self.attn_zero_init[0].upper()}, which projection={self.projection} has not: "
+                f"use attn_zero_init = \"{'key' if self.attn_zero_init == 'query' else 'query'}\"")
 
     def _check_attn_scale(self) -> None:
         value = self.attn_scale
