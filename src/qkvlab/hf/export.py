@@ -33,7 +33,7 @@ from qkvlab.data.tokenizer import (
     read_tokenizer_meta,
 )
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import check_tree
+from qkvlab.fsutil import check_tree, follow_umask
 from qkvlab.hf.gpt2 import QKVLAB_KEY, export_problem, to_gpt2
 from qkvlab.hf.llama import LLAMA_ARCH, is_llama_style, llama_problem, to_llama
 from qkvlab.jsonfile import read_json_object
@@ -147,6 +147,7 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        follow_umask(tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)
