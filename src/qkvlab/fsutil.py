@@ -94,6 +94,12 @@ def follow_umask(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask())
 
 
+def can_write(folder: Path) -> bool:
+    """This process may create files in `folder` (asked of the OS: root may where modes say
+    no, another user may not where they say yes)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def fsync_file(path: Path) -> None:
     """fsync a file that was written by someone else (e.g. safetensors.save_file)."""
     fd = os.open(path, os.O_RDONLY)
