@@ -77,9 +77,9 @@ def modes_binding_prefix() -> list[str] | None:
     return prefix if probe.returncode != 0 else None
 
 
-def run_qkvlab_bound_by_modes(args: list[str], cwd: Path):
+def run_qkvlab_bound_by_modes(args: list[str], cwd: Path, env: dict[str, str] | None = None):
     """`qkvlab ARGS` in a child process that file modes bind (skips the test where none can be
-    started); returns the CompletedProcess (text stdout and stderr)."""
+    started), `env` added to its environment; returns the CompletedProcess (text output)."""
     import os
     import subprocess
     import sys
@@ -92,6 +92,6 @@ def run_qkvlab_bound_by_modes(args: list[str], cwd: Path):
     if prefix is None:
         pytest.skip("needs a non-root user, or setpriv to make file modes bind root")
     src = Path(qkvlab.__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src), **(env or {})}
     return subprocess.run([*prefix, sys.executable, "-m", "qkvlab", *args], cwd=cwd, env=env,
                           capture_output=True, text=True)
