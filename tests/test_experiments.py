@@ -7,6 +7,7 @@ import json
 import math
 import socket
 import subprocess
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -434,6 +435,37 @@ def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
     assert "not a variant of spec tiny" in capsys.readouterr().err
     assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1,x"]) == 2
     capsys.readouterr()
+
+
+def test_a_sweep_folder_records_its_set_overrides(data_dir, tmp_path, capsys):
+    """The report command a sweep suggests, and a resume of its folder, need no --set again."""
+    spec = write_spec(tmp_path / "s", data_dir)
+    out = tmp_path / "sw"
+    sets = ["--set", "train.max_steps=4", "--set", "optim.lr=1e-3"]
+    assert main(["sweep", str(spec), "--out", str(out), *sets]) == 0
+    assert f"report: qkvlab report {out}" in capsys.readouterr().out
+    record = json.loads((out / "sweep.json").read_text())
+    assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 0
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
+    assert {(r["group"], r["status"], r["steps"]) for r in rows} == {
+        ("baseline", "done", 4), ("q-identity", "done", 4)}
+    capsys.readouterr()
+    assert main(["sweep", str(out), "--dry-run"]) == 0
+    assert f"4 runs in {out}: 4 done" in capsys.readouterr().out
+    copy = (out / "spec.toml").read_text()
+    assert main(["sweep", str(out)]) == 0
+    assert "all 4 runs done" in capsys.readouterr().out
+    assert main(["sweep", str(out), *sets]) == 0  # the same overrides again: recorded once
+    assert tomllib.loads((out / "spec.toml").read_text()) == tomllib.loads(copy)
+    assert json.loads((out / "sweep.json").read_text())["groups"] == record["groups"]
+    # the spec itself without them is another config: the refusal names the folder's way on
+    assert main(["sweep", str(spec), "--out", str(out), "--dry-run"]) == 2
+    assert f"(qkvlab sweep {out})" in capsys.readouterr().err
+    # folded into the spec, the overrides resolve exactly as they do given on their own
+    plain = load_spec(spec)
+    overrides = ["train.max_steps=4", "optim.lr=1e-3"]
+    assert [g.fingerprint for g in plain.with_overrides(overrides).groups()] == \
+        [g.fingerprint for g in plain.groups(overrides)]
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])

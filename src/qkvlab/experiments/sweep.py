@@ -16,7 +16,7 @@ that have the same trajectory-deciding config and seed instead of training them 
 folder layout::
 
     <out>/sweep.json                 spec name, fingerprints, the commands and machines
-    <out>/spec.toml                  the spec, as data
+    <out>/spec.toml                  the spec, as data (its `set` ends with the --set overrides)
     <out>/<group>/seed-<n>/          a run folder (config.toml, metrics.jsonl, summary.json, ...)
 
 Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run as a subprocess
@@ -166,10 +166,13 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
                 continue
             diff = identity_diff(old.get("identity", {}), g.identity)
             if diff:
+                again = "" if spec.sweep_dir is not None else (
+                    f", or continue it with the spec and --set it was made with (qkvlab sweep "
+                    f"{out})")
                 raise QkvlabError(
                     f"{out} was made by a different version of spec {spec.name}: variant "
                     f"{g.name} differs at {'; '.join(diff[:4])}: choose another --out (or "
-                    "restore the spec)")
+                    f"restore the spec){again}")
     else:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise QkvlabError(f"{out} exists and is not a sweep folder (no {SWEEP_FILE}): "
