@@ -174,6 +174,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--out", help="folder for the runs, table and plot")
     p.add_argument("--steps", type=int, help="override the number of steps")
     p.add_argument("--seed", type=int)
-    p.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the variants' runs in --out and train them again (a folder "
+                        "whose runs have another config is refused without it)")
     add_overrides(p)
     register(p, CompareOptions, run_compare, trains=True)
