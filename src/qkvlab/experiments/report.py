@@ -110,7 +110,7 @@ def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path,
     old = (record.get("groups") or {}).get(g.name)
     if old is not None and old.get("fingerprint") != g.fingerprint \
             and identity_diff(old.get("identity", {}), g.identity):
-        # a folder's copy records the sweep's --set overrides since they are recorded at all
+        # a folder's spec copy holds its --set overrides, unless it predates their record
         fix = ("pass the sweep's --set overrides (its sweep.json lists the commands)"
                if from_folder else "pass the sweep's --set overrides, or report the folder "
                f"itself (qkvlab report {sweep_dir})")
