@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import refused
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.hf.export import export_checkpoint
@@ -191,6 +192,35 @@ def test_export_refuses_foreign_out_dir(tmp_path):
         export_checkpoint(ckpt, tmp_path / "other")
     export_checkpoint(ckpt, tmp_path / "hf", verify=False)
     export_checkpoint(ckpt, tmp_path / "hf", verify=False)  # an earlier export is replaced
+
+
+def test_reexport_refuses_a_folder_holding_what_the_user_added(data_dir, tmp_path, capsys):
+    """An earlier export is replaced as a whole: files qkvlab did not write stop it, before
+    anything is written, and stay where they are."""
+    ckpt = save_ckpt(random_gpt(tiny()), tmp_path / "run", data_dir)  # its char tokenizer
+    out = tmp_path / "exp" / "m"
+    assert main(["export", str(ckpt), "--format", "hf", str(out), "--no-verify"]) == 0
+    weights = (out / "model.safetensors").read_bytes()
+    mode = (out / "config.json").stat().st_mode & 0o777  # the weights follow the umask too
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == mode
+    (out / "NOTES.md").write_text("my notes")
+    (out / "checkpoint-500").mkdir()
+    (out / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    err = refused(capsys, ["export", str(ckpt), "--format", "hf", str(out), "--no-verify"])
+    assert "NOTES.md" in err and "checkpoint-500/" in err and "choose a new folder" in err
+    assert (out / "NOTES.md").read_text() == "my notes"
+    assert (out / "checkpoint-500" / "trainer_state.json").is_file()
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in out.parent.iterdir()] == ["m"]  # no temp folder left either
+    (out / "NOTES.md").unlink()
+    (out / "checkpoint-500" / "trainer_state.json").unlink()
+    (out / "checkpoint-500").rmdir()
+    assert main(["export", str(ckpt), "--format", "hf", str(out), "--no-verify"]) == 0
+    # everything an export writes is a name a re-export may replace
+    from qkvlab.hf.export import EXPORT_NAMES, QKVLAB_TOKENIZER_DIR, QKVLAB_TOKENIZER_NAMES
+
+    assert {p.name for p in out.iterdir() if p.is_file()} <= EXPORT_NAMES
+    assert {p.name for p in (out / QKVLAB_TOKENIZER_DIR).iterdir()} <= QKVLAB_TOKENIZER_NAMES
 
 
 # ---- import ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import run_qkvlab_bound_by_modes, tiny_config, tiny_overrides
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.run.config import load_config, save_config
@@ -257,3 +257,42 @@ def test_presets_command(capsys):
     for name in ("shakespeare-char", "gpt2-small-owt", "gpt2-small-owt-qidentity"):
         assert name in out
 
+
+
+def test_an_unwritable_tensorboard_folder_is_one_warning_and_training_goes_on(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """The permission asked of the OS (os.access), so root, whom modes do not bind, sees it too."""
+    cfg = config(data_dir, tmp_path / "a", "train.tensorboard=true", "train.max_steps=2")
+    train(cfg, quiet=True)
+    tb = tmp_path / "a" / "tb"
+    before = sorted(p.name for p in tb.iterdir())
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == tb
+                        else real(path, mode, **kw))
+    capsys.readouterr()
+    longer = config(data_dir, tmp_path / "a", "train.tensorboard=true", "train.max_steps=4")
+    assert train(longer, resume=True, quiet=True)["steps"] == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"warning: TensorBoard is off for this session: {tb} is not writable "
+                          "(permission denied)")
+    assert sorted(p.name for p in tb.iterdir()) == before  # nothing written into it
+
+
+def test_a_read_only_tensorboard_folder_for_real(data_dir, tmp_path):
+    """No monkeypatching: tb/ is chmod 555 and the resume runs as a process the mode binds."""
+    args = ["train", "shakespeare-char", "--out", str(tmp_path / "a"),
+            *[a for item in tiny_overrides(data_dir, "train.tensorboard=true",
+                                           "train.max_steps=2") for a in ("--set", item)]]
+    assert main(args) == 0
+    tb = tmp_path / "a" / "tb"
+    tb.chmod(0o555)
+    try:
+        proc = run_qkvlab_bound_by_modes(
+            ["train", str(tmp_path / "a"), "--resume", "--set", "train.max_steps=4"], tmp_path)
+    finally:
+        tb.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "b'" not in proc.stderr
+    assert f"warning: TensorBoard is off for this session: {tb} is not writable" in proc.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["steps"] == 4

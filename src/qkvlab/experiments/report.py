@@ -72,7 +72,7 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
     rules = {v.name: v.rule for v in spec.variants}
     results: list[GroupResult] = []
     for g in spec.groups(overrides):
-        _check_identity(g, record, sweep_dir)
+        _check_identity(g, record, sweep_dir, from_folder=spec.sweep_dir is not None)
         seeds = sorted(set(find_seeds(sweep_dir / g.name)))
         runs = [read_run(g, s, sweep_dir / g.name / f"seed-{s}") for s in seeds]
         for r in runs:
@@ -103,14 +103,19 @@ def _sweep_record(spec: Spec, sweep_dir: Path) -> dict[str, Any]:
     return record
 
 
-def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path) -> None:
-    """Refuse a group whose runs were trained with another config than the spec gives now."""
+def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path,
+                    from_folder: bool = False) -> None:
+    """Refuse a group whose runs were trained with another config than the spec gives now
+    (`from_folder`: the spec is the folder's own copy)."""
     old = (record.get("groups") or {}).get(g.name)
     if old is not None and old.get("fingerprint") != g.fingerprint \
             and identity_diff(old.get("identity", {}), g.identity):
+        # a folder's spec copy holds its --set overrides, unless it predates their record
+        fix = ("pass the sweep's --set overrides (its sweep.json lists the commands)"
+               if from_folder else "pass the sweep's --set overrides, or report the folder "
+               f"itself (qkvlab report {sweep_dir})")
         raise QkvlabError(f"variant {g.name} in {sweep_dir} was made with another config "
-                          "than the spec resolves to now: pass the sweep's --set overrides, "
-                          f"or report the folder itself (qkvlab report {sweep_dir})")
+                          f"than the spec resolves to now: {fix}")
 
 
 def _training_gap_json(rep: Report) -> dict[str, Any] | None:

@@ -58,6 +58,7 @@ from qkvlab.run.config import (
     RunConfig,
     apply_overrides,
     load_config,
+    parse_override,
     saved_config,
     valid_seed,
 )
@@ -179,6 +180,19 @@ class Spec:
             return load_config(self.base_source(), [*self.set, *(overrides or [])])
         except QkvlabError as exc:
             raise _err(f"spec {self.name}, base {self.base}", str(exc)) from None
+
+    def with_overrides(self, overrides: list[str]) -> Spec:
+        """This spec with a sweep's `--set` overrides folded into its `set` (one item per key,
+        at its first place, with its last value): it resolves as `groups(overrides)` does, and
+        the copy a sweep folder keeps of it resolves so without them (`qkvlab report SWEEP`,
+        `qkvlab sweep SWEEP`)."""
+        if not overrides:
+            return self
+        merged: dict[str, str] = {}
+        for item in [*self.set, *overrides]:
+            section, key, _ = parse_override(item)
+            merged[f"{section}.{key}"] = item  # an existing key keeps its place
+        return dataclasses.replace(self, set=list(merged.values()))
 
     def baseline(self) -> VariantSpec:
         return next(v for v in self.variants if v.baseline)

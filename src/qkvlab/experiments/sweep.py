@@ -16,7 +16,7 @@ that have the same trajectory-deciding config and seed instead of training them 
 folder layout::
 
     <out>/sweep.json                 spec name, fingerprints, the commands and machines
-    <out>/spec.toml                  the spec, as data
+    <out>/spec.toml                  the spec, as data (its `set` ends with the --set overrides)
     <out>/<group>/seed-<n>/          a run folder (config.toml, metrics.jsonl, summary.json, ...)
 
 Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run as a subprocess
@@ -56,7 +56,14 @@ from qkvlab.experiments.spec import (
 )
 from qkvlab.fsutil import check_tree, write_text_atomic
 from qkvlab.model.params import count_params, flops_per_token
-from qkvlab.run.config import EMBEDDED_SOURCE, as_recorded, load_config, save_config
+from qkvlab.run.config import (
+    EMBEDDED_SOURCE,
+    REUSE_HARMLESS,
+    as_recorded,
+    config_diff,
+    load_config,
+    save_config,
+)
 from qkvlab.run.layout import (
     CONFIG_FILE,
     FAILED_FILE,
@@ -165,10 +172,13 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
                 continue
             diff = identity_diff(old.get("identity", {}), g.identity)
             if diff:
+                again = "" if spec.sweep_dir is not None else (
+                    f", or continue it with the spec and --set it was made with (qkvlab sweep "
+                    f"{out})")
                 raise QkvlabError(
                     f"{out} was made by a different version of spec {spec.name}: variant "
                     f"{g.name} differs at {'; '.join(diff[:4])}: choose another --out (or "
-                    "restore the spec)")
+                    f"restore the spec){again}")
     else:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise QkvlabError(f"{out} exists and is not a sweep folder (no {SWEEP_FILE}): "
@@ -192,7 +202,9 @@ def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
 
 
 def check_run_dirs(runs: list[Run]) -> None:
-    """A run folder that exists must hold this run: same trajectory-deciding config, same seed."""
+    """A run folder that exists must hold this run: same trajectory-deciding config, same seed;
+    a finished one also the same length and evaluations (REUSE_HARMLESS), or its results would
+    be taken for this sweep's."""
     for run in runs:
         path = run.run_dir / CONFIG_FILE
         if not path.is_file():
@@ -209,6 +221,13 @@ def check_run_dirs(runs: list[Run]) -> None:
             raise QkvlabError(f"run folder {run.run_dir} was trained with another config "
                               f"({'; '.join(diff[:4])}): it is not this spec's run; move it away "
                               "or choose another --out")
+        if is_finished(read_json_record(run.run_dir / SUMMARY_FILE), run.config.train.max_steps):
+            diffs = config_diff(saved, run.config, REUSE_HARMLESS)
+            if diffs:
+                raise QkvlabError(
+                    f"run folder {run.run_dir} finished with another config than this sweep asks "
+                    f"for, at {'; '.join(diffs[:4])}: choose another --out, or move the folder "
+                    "away to train the run again")
 
 
 def _data_vocab(data_dir: Path) -> tuple[int, str] | None:
@@ -383,7 +402,7 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
     def key(cfg: Any, seed: int) -> str:
         return json.dumps([config_identity(cfg), seed], sort_keys=True)
 
-    finished: dict[str, Path] = {}
+    finished: dict[str, list[tuple[Any, Path]]] = {}
     for source in sources:
         src = Path(source)
         if not (src / SWEEP_FILE).is_file():
@@ -396,10 +415,18 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
                 continue  # not a run this qkvlab can read: nothing to reuse
             if is_finished(read_json_record(cfg_path.parent / SUMMARY_FILE),
                            cfg.train.max_steps):
-                finished.setdefault(key(cfg, cfg.train.seed), cfg_path.parent)
-    return {run.run_dir: finished[key(run.config, run.seed)] for run in runs
-            if states[run.run_dir].status == "pending" and not run.run_dir.exists()
-            and key(run.config, run.seed) in finished}
+                finished.setdefault(key(cfg, cfg.train.seed), []).append((cfg, cfg_path.parent))
+    found = {}
+    for run in runs:
+        if states[run.run_dir].status != "pending" or run.run_dir.exists():
+            continue
+        # the same trajectory is not enough: the copy must have this run's length and
+        # evaluations, or its results would be taken for this run's
+        same = [path for cfg, path in finished.get(key(run.config, run.seed), [])
+                if not config_diff(cfg, run.config, REUSE_HARMLESS)]
+        if same:
+            found[run.run_dir] = same[0]
+    return found
 
 
 def copy_finished_run(run: Run, src: Path) -> None:

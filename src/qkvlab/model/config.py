@@ -108,6 +108,31 @@ def shown(value: Any) -> str:
     return repr(value)
 
 
+def checked_scale_setting(setting: Any, projection: str, d: int, d_k: int, init_std: float,
+                          name: str = "attn_scale") -> float | str:
+    """`setting` (an attention scale setting called `name`) in its one spelling, or a one-line
+    refusal: it must be a rule, A/sqrt(d_k) or a finite number (not a bool), and the scale it
+    gives this shape must lie in SCALE_BOUNDS. The one check of a config's model.attn_scale
+    and of hf.identity_query's scale=."""
+    low, high = SCALE_BOUNDS
+    if isinstance(setting, str):
+        learns_scale(setting)  # refuses a name that is not a rule, listing the rules
+        setting = canonical(setting)
+        scale = attention_scale(setting, projection, d, d_k, init_std)
+        fix = ("a smaller A" if alpha_of(setting) is not None
+               else f"init_std nearer 0.02 or {name} to a number")
+        require(low <= scale <= high,
+                f"{name} = {setting} gives {scale:.3g} for this shape (init_std="
+                f"{init_std:g}), outside [{low:g}, {high:g}]: set {fix}")
+        return setting
+    number = finite_number(setting)
+    require(number is not None and low <= number <= high,
+            f"{name} must be a number in [{low:g}, {high:g}], A/sqrt(d_k) or one "
+            f"of {', '.join(SCALE_RULES)}, got {shown(setting)}")
+    # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
+    return number
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape and layout of a GPT (causal) or encoder (bidirectional) transformer.
@@ -257,23 +282,8 @@ class ModelConfig:
                 f"use attn_zero_init = \"{'key' if self.attn_zero_init == 'query' else 'query'}\"")
 
     def _check_attn_scale(self) -> None:
-        value = self.attn_scale
-        low, high = SCALE_BOUNDS
-        if isinstance(value, str):
-            learns_scale(value)  # refuses a name that is not a rule, listing the rules
-            object.__setattr__(self, "attn_scale", canonical(value))
-            fix = ("a smaller A" if alpha_of(value) is not None
-                   else "init_std nearer 0.02 or attn_scale to a number")
-            require(low <= self.scale <= high,
-                    f"attn_scale = {value} gives {self.scale:.3g} for this shape (init_std="
-                    f"{self.init_std:g}), outside [{low:g}, {high:g}]: set {fix}")
-            return
-        number = finite_number(value)
-        require(number is not None and low <= number <= high,
-                f"attn_scale must be a number in [{low:g}, {high:g}], A/sqrt(d_k) or one "
-                f"of {', '.join(SCALE_RULES)}, got {shown(value)}")
-        # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
-        object.__setattr__(self, "attn_scale", number)
+        object.__setattr__(self, "attn_scale", checked_scale_setting(
+            self.attn_scale, self.projection, self.n_embd, self.d_head, self.init_std))
 
     def _check_shapes(self) -> None:
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd

@@ -443,14 +443,24 @@ RESUME_HARMLESS = frozenset({
 })
 
 
-def config_diff(saved: RunConfig, now: RunConfig) -> list[str]:
-    """The trajectory-deciding keys where `now` differs from `saved`, in words."""
+# Keys in which a finished run may differ from the config a command asks for and still be its
+# answer (compare and sweep reuse finished runs): RESUME_HARMLESS less what the results are
+# measured at, the run's length and its evaluations.
+REUSE_HARMLESS = RESUME_HARMLESS - {"train.max_steps", "train.eval_interval",
+                                    "train.eval_windows"}
+
+
+def config_diff(saved: RunConfig, now: RunConfig,
+                harmless: frozenset[str] = RESUME_HARMLESS) -> list[str]:
+    """The keys outside `harmless` where `now` differs from `saved`, in words: by default the
+    trajectory-deciding ones (what a resume checks); with REUSE_HARMLESS, what a finished run
+    must match to be reused."""
     a, b = saved.to_dict(), now.to_dict()
     diffs = []
     for section in a:
         for key in sorted(set(a[section]) | set(b.get(section, {}))):
             name = f"{section}.{key}"
             old, new = a[section].get(key), b.get(section, {}).get(key)
-            if name not in RESUME_HARMLESS and old != new:
+            if name not in harmless and old != new:
                 diffs.append(f"{name} (saved {old!r}, now {new!r})")
     return diffs
