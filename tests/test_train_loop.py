@@ -56,6 +56,48 @@ def test_resume_is_exact(data_dir, tmp_path, dtype, order):
         (tmp_path / "b/ckpt-0000008/optimizer.safetensors").read_bytes()
 
 
+def test_shuffled_resume_is_exact_across_an_epoch_boundary(data_dir, tmp_path):
+    from qkvlab.data.loader import TokenData, epoch_length
+
+    # 16 windows a step: the run crosses into epoch 1 before step 30, where it resumes
+    k = epoch_length(TokenData(data_dir).train_tokens, 16)
+    assert 16 * 20 < k < 16 * 30
+    keys = ("data.order=shuffled", "train.batch_size=8", "train.max_steps=40",
+            "train.eval_interval=10", "train.ckpt_interval=30", "train.log_interval=10",
+            "optim.decay_steps=40", "train.final_eval_tokens=0")
+    train(config(data_dir, tmp_path / "a", *keys), quiet=True)
+    train(config(data_dir, tmp_path / "b", *keys[:-1], "train.max_steps=30",
+                 "train.final_eval_tokens=0"), quiet=True)
+    train(config(data_dir, tmp_path / "b", *keys), resume=True, quiet=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert (tmp_path / "a/ckpt-0000040/model.safetensors").read_bytes() == \
+        (tmp_path / "b/ckpt-0000040/model.safetensors").read_bytes()
+
+
+def test_two_arms_of_a_pair_with_one_seed_see_the_same_batches(data_dir, tmp_path,
+                                                               monkeypatch):
+    from qkvlab.data.loader import TokenData
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = TokenData.train_batch
+
+    def recording(self, *args, **kwargs):
+        x, y = real(self, *args, **kwargs)
+        seen.setdefault(arm, []).append(x.clone())
+        return x, y
+
+    monkeypatch.setattr(TokenData, "train_batch", recording)
+    for arm, extra in (("baseline", ()), ("q-identity", ("model.projection=q-identity",)),
+                       ("other seed", ("train.seed=7",))):
+        train(config(data_dir, tmp_path / arm, "data.order=shuffled",
+                     "train.final_eval_tokens=0", *extra), quiet=True)
+    # the first draw is the setup's check that the data is long enough; then 8 steps x 2
+    assert len(seen["baseline"]) == 1 + 8 * 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["baseline"], seen["q-identity"],
+                                                  strict=True))
+    assert not torch.equal(seen["baseline"][1], seen["other seed"][1])
+
+
 def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch):
     train(config(data_dir, tmp_path / "a"), quiet=True)
     real_step = trainer.train_step

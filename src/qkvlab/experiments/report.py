@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
+from qkvlab.experiments.machines import machine_report, with_warning
 from qkvlab.experiments.plots import plot_curves, plot_gaps, plot_grid, plot_rel, plot_scale_scan
 from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.render_scan import scan_section
@@ -132,7 +133,8 @@ def _fit_json(row: FitRow) -> dict[str, Any]:
             "best_vs_reference": vs(row.best_vs_ref)}
 
 
-def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
+def report_json(rep: Report, command: str, scan: ScaleScan,
+                machines: dict[str, Any]) -> dict[str, Any]:
     return {
         "spec": rep.spec.name,
         "fingerprint": rep.record.get("fingerprint"),
@@ -162,6 +164,7 @@ def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
         "scale_rule_gaps": [r.as_dict() for r in scan.rules],
         "scale_alpha_gaps": [a.as_dict() for a in scan.alphas],
         "runs": [r.as_dict() for r in rep.runs()],
+        **machines,  # experiments/machines.py
     }
 
 
@@ -208,10 +211,11 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
         plot_gaps(_by_lr(scan.tuned), TREND_AXES[0], rep.baseline.group.family,
                   out / "tuned_gap_vs_width.png")
         plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
+    machines = machine_report(rep)  # which runs trained on which CPU kind and dtype
     write_text_atomic(out / "report.json",
-                      json.dumps(report_json(rep, command, scan), indent=1) + "\n")
+                      json.dumps(report_json(rep, command, scan, machines), indent=1) + "\n")
     path = out / "report.md"
     section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules,
                            scan.alphas)
-    write_text_atomic(path, render_markdown(rep, command, plots, section))
+    write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section), machines))
     return path

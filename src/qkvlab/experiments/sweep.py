@@ -74,6 +74,7 @@ from qkvlab.run.layout import (
 )
 from qkvlab.run.load import open_data
 from qkvlab.run.lock import lock_holder
+from qkvlab.run.machine import cpu_model
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
 
@@ -127,16 +128,8 @@ def claimed_elsewhere(run: Run) -> str | None:
 # ---- machine and command records ----------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """What a result depends on: CPU, accelerators, library versions (no host names)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),

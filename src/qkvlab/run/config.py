@@ -125,6 +125,10 @@ class TrainConfig:
     eval_interval: int = 250  # also evaluates at step 0 and at the end
     eval_windows: int = 256  # fixed val windows of block_size tokens, the same for every run
     eval_batch_size: int | None = None  # None means batch_size
+    # After the last step, the val loss over this many target tokens in windows spread over
+    # the whole val split (all of it when it holds fewer), per part of the corpus where the
+    # data records them: summary.json's final_val_loss_long. 0 turns it off.
+    final_eval_tokens: int = 1 << 20
     log_interval: int = 10
     ckpt_interval: int = 1000  # also checkpoints at the end and on SIGINT/SIGTERM
     keep_last: int = 2  # ckpt-* folders kept, besides best/
@@ -152,6 +156,9 @@ class TrainConfig:
                      "log_interval", "ckpt_interval", "keep_last", "max_nonfinite"):
             value = getattr(self, name)
             require(value >= 1, f"invalid config: train.{name} must be >= 1, got {value}")
+        require(self.final_eval_tokens >= 0,
+                f"invalid config: train.final_eval_tokens must be >= 0 (0 turns the final "
+                f"long evaluation off), got {self.final_eval_tokens}")
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,
                 f"invalid config: train.eval_batch_size must be >= 1 or unset, got "
                 f"{self.eval_batch_size}")
@@ -434,6 +441,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> Path:
 RESUME_HARMLESS = frozenset({
     "run.name", "run.out_dir", "data.dir", "data.prepare_if_missing",
     "train.max_steps", "train.eval_interval", "train.eval_windows", "train.eval_batch_size",
+    "train.final_eval_tokens",
     "train.log_interval", "train.ckpt_interval", "train.keep_last", "train.compile",
     "train.device", "train.max_nonfinite", "train.peak_flops", "train.tensorboard",
     "train.wandb", "train.wandb_project", "train.wandb_entity",

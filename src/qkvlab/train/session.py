@@ -61,6 +61,7 @@ class Session:
     peak: float  # peak FLOP/s of all devices, for MFU
     peak_src: str
     clock: Throughput = field(default_factory=Throughput)
+    long_val: dict[str, Any] | None = None  # the final long evaluation (train/long_eval.py)
     # opened by open_outputs, closed by close_outputs
     metrics: Any = None
     tb: Any = None

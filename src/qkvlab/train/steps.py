@@ -2,7 +2,8 @@
 
 `train_step` is one optimizer step; `show_step` puts a step on the display, TensorBoard and
 W&B (`log_scalar`);
-`evaluate` measures the fixed validation windows; `keep_best` writes best/ when an eval beats
+`evaluate` measures the fixed validation windows; `final_long_eval` the final weights on many
+tokens of the whole split; `keep_best` writes best/ when an eval beats
 the earlier ones; `save` writes a regular checkpoint; `check_divergence` stops a run that
 keeps failing; `summary` is what a session reports. What they judge and remember between
 steps is the session's LoopState (train/loop_state.py); what they write, its Checkpointer.
@@ -20,8 +21,10 @@ from qkvlab.errors import QkvlabError
 from qkvlab.perf import mfu
 from qkvlab.run import guard
 from qkvlab.run.device import autocast, perplexity
+from qkvlab.run.machine import machine_record
 from qkvlab.run.metrics import finite_or_null
 from qkvlab.train import objectives
+from qkvlab.train.long_eval import SUMMARY_KEY, long_val_loss
 from qkvlab.train.optim import lr_at, set_lr
 from qkvlab.train.session import Session
 
@@ -110,6 +113,20 @@ def evaluate(s: Session, step: int, rec: dict[str, Any]) -> float:
                     f"{ppl if ppl is not None else math.nan:.2f}")
     log_scalar(s, "val/loss", val, step)
     return val
+
+
+def final_long_eval(s: Session) -> None:
+    """The val loss of the final weights over train.final_eval_tokens tokens spread over the
+    whole val split (train/long_eval.py), onto the display and into the scalars."""
+    long = s.long_val = long_val_loss(s.par.fwd, s.ctx, s.cfg, s.data, s.eval_batch_size)
+    if long is None or long["loss"] is None:
+        return
+    parts = ", ".join(f"{name} {v['loss']:.4f}" for name, v in long.get("by_source", {}).items()
+                      if v["loss"] is not None)
+    s.reporter.line(f"step {s.st.step} | val loss {long['loss']:.4f} over {long['tokens']:,} "
+                    f"tokens of the whole val split{f' ({parts})' if parts else ''} "
+                    f"in {long['seconds']:.1f}s")
+    log_scalar(s, "val/loss_long", long["loss"], s.st.step)
 
 
 def keep_best(s: Session, step: int, val: float) -> None:
@@ -206,4 +223,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
         "checkpoint": st.last_ckpt.name if st.last_ckpt else None,  # a folder of the run's
         "skipped_steps": st.skipped,
         "world_size": s.ctx.world_size,
+        # where the numbers came from: kernels differ between CPU kinds, dtypes and versions
+        "machine": machine_record(s.device),
+        SUMMARY_KEY: s.long_val,
     })

@@ -31,6 +31,7 @@ from qkvlab.train.steps import (
     check_divergence,
     check_initial,
     evaluate,
+    final_long_eval,
     keep_best,
     save,
     show_step,
@@ -77,6 +78,8 @@ def train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     open_outputs(s)
     try:
         signum = loop(s)
+        if signum is None:  # a run stopped early is measured when it finishes
+            final_long_eval(s)
     finally:
         close_outputs(s)
     out = summary(s, signum)
