@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from qkvlab.model.params import count_params
 from qkvlab.run.config import (
     OptimConfig,
     RunConfig,
+    as_recorded,
     load_config,
     parse_override,
     preset_names,
@@ -114,8 +116,11 @@ def test_partial_file_takes_defaults_and_run_folder_loads(tmp_path):
     assert cfg.model.n_layer == 2 and cfg.model.n_embd == 384 and cfg.run_dir.as_posix() == "runs/x"
     run = tmp_path / "run"
     run.mkdir()
-    save_config(cfg, run / "config.toml")
-    assert load_config(run) == cfg
+    save_config(as_recorded(cfg), run / "config.toml")
+    # the record leaves out the folder holding it; read as a run folder, the folder is out_dir
+    assert "out_dir" not in (run / "config.toml").read_text()
+    assert load_config(run) == replace(cfg, out_dir=str(run))
+    assert load_config(run / "config.toml") == cfg
 
 
 def test_round_trip_keeps_none_and_optional_values(tmp_path):

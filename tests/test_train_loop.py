@@ -105,8 +105,12 @@ def test_run_folder_contents_and_same_init_per_seed(data_dir, tmp_path):
             "tb", "tokenizer"} <= names
     assert not (run / ".lock").exists()
     assert any((run / "tb").iterdir())
-    assert load_config(run / "config.toml") == cfg.on_device("cpu")  # the kernel it ran on
-    assert set(summary) >= {"final_val_loss", "tokens_per_s", "params", "run_dir", "mfu"}
+    assert load_config(run) == cfg.on_device("cpu")  # the kernel it ran on
+    assert set(summary) >= {"final_val_loss", "tokens_per_s", "params", "mfu"}
+    # records hold no path of this machine: the checkpoint by its name in the run folder
+    assert "run_dir" not in summary and summary["checkpoint"] == "ckpt-0000004"
+    assert str(tmp_path) not in (run / "summary.json").read_text() + \
+        (run / "config.toml").read_text()
     assert summary["params"] > 0 and summary["tokens_per_s"] > 0 and summary["steps"] == 4
     rec = read_metrics(run)[-1]
     assert set(rec) >= {"step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "mfu",

@@ -126,3 +126,36 @@ def read_tree_inside(folder: Path, src: Path) -> dict[str, bytes]:
     check_tree(src, folder)
     return {p.relative_to(src).as_posix(): p.read_bytes()
             for p in sorted(src.rglob("*")) if p.is_file()}
+
+
+# ---- paths as records store them ----------------------------------------------------------
+# A record (summary.json, config.toml, sweep.json, report.json) is read in a clone or on another
+# machine, where an absolute path of the machine that wrote it means nothing and shows that
+# machine's layout: records keep paths relative to their own folder, or just a name.
+
+def portable(path: str | Path, base: str | Path | None = None) -> str:
+    """`path` as a record stores it: a relative path as given; an absolute one relative to
+    `base` (the record's folder) when it lies inside it, else only its last component."""
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        return str(path)
+    if base is not None:
+        root = Path(base).expanduser().resolve()
+        if p.resolve().is_relative_to(root):
+            return str(p.resolve().relative_to(root)) or "."
+    return p.name
+
+
+def portable_command(line: str) -> str:
+    """A recorded command line with each absolute path (a word, or the value of key=value)
+    reduced to its last component, the way a user would retype it from its folder."""
+    import shlex  # only the few commands that record a command line need it
+
+    def word(w: str) -> str:
+        key, eq, value = w.partition("=")
+        if eq and Path(value).expanduser().is_absolute():
+            return f"{key}={portable(value)}"
+        return portable(w) if Path(w).expanduser().is_absolute() else w
+
+    return shlex.join(word(w) for w in shlex.split(line))
+

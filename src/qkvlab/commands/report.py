@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qkvlab.commands.common import Subparsers, add_overrides, check_output_folder, register
+from qkvlab.fsutil import portable_command
 
 
 @dataclass
@@ -58,7 +59,7 @@ def run_report(opts: ReportOptions) -> int:
     rep = build_report(spec, sweep_dir, per_window=opts.per_window,
                        overrides=list(opts.overrides), versus=opts.versus,
                        attention=opts.attention, margin_pct=margin)
-    path = write_report(rep, out, opts.command_line(out))
+    path = write_report(rep, out, portable_command(opts.command_line(out)))
     for line in verdicts(rep):
         print(line)
     print(f"report: {path}")

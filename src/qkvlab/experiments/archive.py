@@ -17,6 +17,7 @@ and archived later does not bring that spec back).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import ATTENTION_FILE, WINDOW_FILE, attention_record
 from qkvlab.experiments.sweep import SWEEP_FILE
-from qkvlab.fsutil import check_inside, write_text_atomic
+from qkvlab.fsutil import check_inside, portable_command, write_text_atomic
 from qkvlab.run.config import RunConfig, load_config
 from qkvlab.run.layout import CONFIG_FILE, FAILED_FILE, METRICS_FILE, REUSED_FILE, SUMMARY_FILE
 from qkvlab.run.records import is_finished, read_json_record
@@ -66,7 +67,62 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
         shutil.copy2(record, copy)
     if merged is not None:
         write_text_atomic(dest / SWEEP_FILE, json.dumps(merged, indent=1) + "\n")
+    make_portable(dest)
     return len(kept), len(runs) - len(kept)
+
+
+def make_portable(archive: Path) -> int:
+    """Rewrite the records of `archive` without the paths of the machines that wrote them (a
+    sweep made before its records were written so, or on another machine): config.toml loses
+    out_dir (its folder), summary.json its run_dir and names its checkpoint by folder,
+    reused.json names its source as <sweep>/<group>/seed-<n>, sweep.json's sessions lose
+    their working folder and their command lines keep only the last component of an absolute
+    path. Numbers, fingerprints and everything else stay byte for byte. Returns the files
+    rewritten."""
+    changed = 0
+    for path in sorted(archive.glob(f"*/seed-*/{CONFIG_FILE}")):
+        text = path.read_text(encoding="utf-8")
+        kept = re.sub(r'(?m)^out_dir = ".*"\n', "", text)
+        changed += _rewrite(path, text, kept)
+    for path in sorted(archive.glob(f"*/seed-*/{SUMMARY_FILE}")):
+        changed += _rewrite_json(path, _portable_summary)
+    for path in sorted(archive.glob(f"*/seed-*/{REUSED_FILE}")):
+        changed += _rewrite_json(path, lambda r: {**r, "from": "/".join(
+            Path(r["from"]).parts[-3:])} if isinstance(r.get("from"), str) else r)
+    if (archive / SWEEP_FILE).is_file():
+        changed += _rewrite_json(archive / SWEEP_FILE, _portable_sessions)
+    return changed
+
+
+def _portable_summary(record: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in record.items() if k != "run_dir"}
+    if isinstance(out.get("checkpoint"), str):
+        out["checkpoint"] = Path(out["checkpoint"]).name
+    return out
+
+
+def _portable_sessions(record: dict[str, Any]) -> dict[str, Any]:
+    sessions = [{k: (portable_command(v) if k == "command" and isinstance(v, str) else v)
+                 for k, v in s.items() if k != "cwd"} if isinstance(s, dict) else s
+                for s in record.get("sessions", [])]
+    return {**record, "sessions": sessions} if "sessions" in record else record
+
+
+def _rewrite_json(path: Path, portable: Any) -> int:
+    record = read_json_record(path)
+    if record is None:
+        return 0
+    new = portable(record)
+    if new == record:
+        return 0
+    return _rewrite(path, path.read_text(encoding="utf-8"), json.dumps(new, indent=1) + "\n")
+
+
+def _rewrite(path: Path, old: str, new: str) -> int:
+    if new == old:
+        return 0
+    write_text_atomic(path, new)
+    return 1
 
 
 def _merged_record(src: Path, dest: Path) -> dict[str, Any] | None:

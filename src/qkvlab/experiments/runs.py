@@ -72,7 +72,9 @@ class RunData:
 
     def as_dict(self) -> dict[str, Any]:
         best = self.best
-        return {"group": self.group, "seed": self.seed, "run_dir": str(self.run_dir),
+        # the run's folder inside its sweep (<group>/seed-<n>), not a path of this machine
+        return {"group": self.group, "seed": self.seed,
+                "run_dir": f"{self.run_dir.parent.name}/{self.run_dir.name}",
                 "status": self.status, "steps": self.steps, "max_steps": self.max_steps,
                 "final_val_loss": self.final_loss, "final_val_acc": self.final_acc,
                 "best_val_loss": best[1] if best else None,

@@ -31,7 +31,6 @@ of these ways with one policy for signals and failures.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import json
 import os
@@ -57,7 +56,7 @@ from qkvlab.experiments.spec import (
 )
 from qkvlab.fsutil import check_tree, write_text_atomic
 from qkvlab.model.params import count_params, flops_per_token
-from qkvlab.run.config import EMBEDDED_SOURCE, load_config, save_config
+from qkvlab.run.config import EMBEDDED_SOURCE, as_recorded, load_config, save_config
 from qkvlab.run.layout import (
     CONFIG_FILE,
     FAILED_FILE,
@@ -370,8 +369,7 @@ def train_command_for(run: Run, launcher: str | None) -> list[str]:
 def materialize(run: Run) -> None:
     """Write the run's config.toml, so `qkvlab train RUN_DIR --resume` can start it."""
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(dataclasses.replace(run.config, out_dir=str(run.run_dir)),
-                run.run_dir / CONFIG_FILE)
+    save_config(as_recorded(run.config), run.run_dir / CONFIG_FILE)
 
 
 # ---- finished runs of another sweep -------------------------------------------------------
@@ -416,7 +414,13 @@ def copy_finished_run(run: Run, src: Path) -> None:
     os.replace(tmp, run.run_dir)
     materialize(run)  # this sweep's run name and out_dir in config.toml
     write_text_atomic(run.run_dir / REUSED_FILE, json.dumps(
-        {"from": str(src.resolve()), "copied": now_iso()}, indent=1) + "\n")
+        {"from": reused_name(src), "copied": now_iso()}, indent=1) + "\n")
+
+
+def reused_name(src: Path) -> str:
+    """Where a reused run came from, as `<sweep>/<group>/seed-<n>`: its place among sweeps,
+    not a path of the machine that copied it."""
+    return "/".join(src.resolve().parts[-3:])
 
 
 def record_failure(run: Run, error: str) -> None:

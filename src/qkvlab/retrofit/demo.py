@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from qkvlab.fsutil import check_tree
+from qkvlab.fsutil import check_tree, portable
 from qkvlab.retrofit.checkpoint import RetrofitReport, write_retrofit
 from qkvlab.retrofit.heal import HealConfig, heal
 from qkvlab.retrofit.init import attention_moments, build_student
@@ -108,9 +108,9 @@ def run_demo(out: Path, base: Path | None = None, *, steps: int = 100, windows: 
                             heal_config=arm_cfg, before=before, heal_result=result,
                             windows=windows, block_size=block)
     dest = write_retrofit(out / "retrofit-q-identity", model, ckpt, report)
-    summary = {"base": str(ckpt.path), "base_step": ckpt.step, "val_loss_original": before,
+    summary = {"base": portable(ckpt.path), "base_step": ckpt.step, "val_loss_original": before,
                "windows": windows, "block_size": block, "heal_steps": steps, "lr": hc.lr,
-               "batch_size": bs, "arms": arms, "checkpoint": str(dest)}
+               "batch_size": bs, "arms": arms, "checkpoint": portable(dest)}
     (out / "results.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (out / "RESULTS.md").write_text(results_markdown(summary), encoding="utf-8")
     log(results_markdown(summary))

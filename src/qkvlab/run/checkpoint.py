@@ -41,7 +41,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file
 from qkvlab.model import ModelConfig
 from qkvlab.run import guard
-from qkvlab.run.config import RunConfig, read_config_source, saved_config
+from qkvlab.run.config import RunConfig, as_recorded, read_config_source, saved_config
 from qkvlab.run.layout import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -180,7 +180,7 @@ def _write_files(tmp: Path, model: dict[str, torch.Tensor], cfg: RunConfig,
         "torch_version": torch.__version__,
         **info,
         "tied_embeddings": bool(cfg.model.tie_embeddings),
-        "config": cfg.to_dict(),
+        "config": as_recorded(cfg).to_dict(),
         "optimizer": opt_json,
         "rng": rng_state(),
     }

@@ -295,7 +295,11 @@ def read_config_source(path_or_preset: str | Path) -> tuple[dict[str, Any], str]
     """The raw TOML dict of a config file, a run folder (its config.toml) or a preset name."""
     path = Path(path_or_preset).expanduser()
     if path.is_dir() and (path / CONFIG_FILE).is_file():
-        path = path / CONFIG_FILE
+        data, origin = read_config_source(path / CONFIG_FILE)
+        run = data.get("run", {})  # a run folder's record leaves out the folder holding it
+        if isinstance(run, dict) and run.get("out_dir") is None:
+            data = {**data, "run": {**run, "out_dir": str(path)}}
+        return data, origin
     if path.is_file():
         try:
             text = path.read_text(encoding="utf-8")
@@ -411,6 +415,12 @@ def config_toml(cfg: RunConfig) -> str:
         what = "initial value; times a learned gain per head" if m.learned_scale else "resolved"
         text = text.replace(line, f"{line[:-1]}  # {what}: {m.scale:.6g}\n", 1)
     return text
+
+
+def as_recorded(cfg: RunConfig) -> RunConfig:
+    """The config as a run folder records it (config.toml, a checkpoint's state.json): without
+    out_dir, which is the folder holding the record; reading a run folder puts it back."""
+    return replace(cfg, out_dir=None)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:

@@ -8,7 +8,6 @@ argument, so each can be called on its own in a test.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from qkvlab.model.params import ParamCount, count_params, flops_per_token
 from qkvlab.perf import bf16_slowdown, keep_freed_memory, peak_flops_for
 from qkvlab.run import store
 from qkvlab.run.checkpoint import Checkpoint, load_model_state
-from qkvlab.run.config import RunConfig, config_diff, save_config
+from qkvlab.run.config import RunConfig, as_recorded, config_diff, save_config
 from qkvlab.run.device import check_dtype
 from qkvlab.run.layout import CONFIG_FILE, METRICS_FILE, list_checkpoints
 from qkvlab.run.load import check_vocab, copy_tokenizer, open_data
@@ -184,7 +183,7 @@ def setup(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     # input leaves the run folder as it was. The saved config names its folder, so
     # `qkvlab train RUN_DIR --resume` finds it again.
     if ctx.is_main:
-        save_config(dataclasses.replace(cfg, out_dir=str(run_dir)), run_dir / CONFIG_FILE)
+        save_config(as_recorded(cfg), run_dir / CONFIG_FILE)
         copy_tokenizer(data, run_dir)
     peak, peak_src = peak_flops_for(ctx.device, tc.dtype, tc.peak_flops)
     s = Session(cfg=cfg, run_dir=run_dir, ctx=ctx, say=say, quiet=quiet, ckpt=ckpt, data=data,

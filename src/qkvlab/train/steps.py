@@ -185,7 +185,6 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
     st, tc = s.st, s.cfg.train
     tps = s.clock.tokens_per_s
     return finite_or_null({
-        "run_dir": str(s.run_dir),
         "steps": st.step,
         "tokens": st.step * s.cfg.tokens_per_step,
         "final_val_loss": st.last_val_loss,
@@ -204,7 +203,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
         "signal": int(signum) if signum is not None else None,
         "device": s.device.type,
         "dtype": tc.dtype,
-        "checkpoint": str(st.last_ckpt) if st.last_ckpt else None,
+        "checkpoint": st.last_ckpt.name if st.last_ckpt else None,  # a folder of the run's
         "skipped_steps": st.skipped,
         "world_size": s.ctx.world_size,
     })
