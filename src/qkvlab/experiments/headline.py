@@ -120,10 +120,11 @@ def _trend(rep: Report, groups: dict[str, GroupResult]) -> Headline | None:
         if not gaps:
             continue
         rows = [_from_gap(w, groups, _shared(groups[w.group])) for w in gaps]
+        seen = {(c.group, c.reference) for c in rows}  # a best pair may be a trend's pair
         rows += [_from_gap(w, groups, {"width": groups[w.group].group.config.model.n_embd,
                                         axis.name: w.value,
                                         f"reference_{axis.name}": w.reference_value})
-                 for w in rep.tuned_gaps.get(axis.name, [])]
+                 for w in rep.tuned_gaps.get(axis.name, []) if (w.group, w.reference) not in seen]
         what = "width" if axis.name == "width" else "learning rate"
         return Headline(axis.name, f"Each variant against {rep.baseline.group.family} at the "
                         f"same {what}" + (f", and each family at its own best {what}"

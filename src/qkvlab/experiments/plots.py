@@ -154,7 +154,7 @@ def plot_rel(rep: Report, path: Path) -> None:
             if n > 1:
                 _band(ax, steps, mean, std, lk["color"])
         margin_band(ax, rep.margin_pct)
-        ax.set(xlabel="step", ylabel=f"gap to {ref} (% of its val loss)", title=title)
+        ax.set(xlabel="step", ylabel="gap to the reference (% of its val loss)", title=title)
         ax.grid(alpha=0.3)
         legend_beside(ax)
     suptitle(fig, f"{rep.spec.name}: validation-loss gap to {ref} over training, paired by seed "
