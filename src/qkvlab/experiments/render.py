@@ -155,13 +155,16 @@ def _machine_line(m: dict[str, Any]) -> str:
 
 # ---- report.md -------------------------------------------------------------------------------
 def render_markdown(rep: Report, command: str, plots: dict[str, str],
-                    scan: list[str] | None = None) -> str:
-    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr" to the written figures;
-    `scan` is the attention-scale scan's section (qkvlab.experiments.render_scan), if any."""
+                    scan: list[str] | None = None, headline: list[str] | None = None) -> str:
+    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr", ... to the written
+    figures; `scan` is the attention-scale scan's section (qkvlab.experiments.render_scan) and
+    `headline` the comparisons that answer the report's question
+    (qkvlab.experiments.render_headline), if any."""
     L: list[str] = [f"# qkvlab report: {rep.spec.name}", ""]
     if rep.spec.description:
         L += [rep.spec.description, ""]
     L += _provenance(rep, command)
+    L += headline or []
     L += _findings(rep)
     L += _variants_table(rep)
     L += _paired_table(rep)
