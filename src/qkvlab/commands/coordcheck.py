@@ -26,6 +26,7 @@ class CoordCheckOptions:
     steps: int = 4
     lr: float | None = None
     batch_size: int | None = None
+    seeds: int = 1
     json: str | None = None
     plot: str | None = None
     against: list[str] = field(default_factory=list)
@@ -47,7 +48,7 @@ def run_coordcheck(opts: CoordCheckOptions) -> int:
 
     check = cc.CoordCheck(widths=_ints(opts.widths, "--widths"),
                           depths=_ints(opts.depths, "--depths"), steps=opts.steps, lr=opts.lr,
-                          batch_size=opts.batch_size)
+                          batch_size=opts.batch_size, seeds=opts.seeds)
     others = [read_json_object(Path(p), fix="give a file `qkvlab coordcheck --json` wrote")
               for p in opts.against]  # read before the work, so a bad path costs nothing
     if any("rows" not in o or "axis" not in o for o in others):
@@ -81,6 +82,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--steps", type=int, help="Adam steps at a constant lr (default %(default)s)")
     p.add_argument("--lr", type=float, help="the constant lr (default: the config's optim.lr)")
     p.add_argument("--batch-size", type=int, help="windows per step (default: the config's)")
+    p.add_argument("--seeds", type=int, help="seeds each mean |x| averages (default "
+                                             "%(default)s; seed = the config's train.seed + i)")
     p.add_argument("--json", metavar="OUT", help="write the record as JSON")
     p.add_argument("--plot", metavar="PNG", help="draw mean |x| against the shape, a line per "
                                                 "step")

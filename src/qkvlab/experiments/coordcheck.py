@@ -10,7 +10,12 @@ for a few steps at a constant lr, and records the mean |x| of five tensors at ev
   attn_logits    q k^T times the scale, every layer (what the softmax sees)
   attn_out       the attention block's output (after W_O), every layer
   mlp_out        the MLP block's output, every layer
+  residual       the residual stream after the last block (the final norm's input)
   output_logits  the LM head's logits
+
+Under depth scaling a block's output carries the branch multiplier L^-alpha by design (so that
+L of them add up to a stream of fixed size): attn_out and mlp_out are recorded without it, as
+the block computes them before the multiplier, so that every tensor should stay flat.
 
 Under the standard parametrization Adam grows each learned projection's output by about
 d x lr per step, so the logits grow with width; under μP they stay flat. `growth` is the test's
@@ -29,24 +34,29 @@ import torch
 
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
+from qkvlab.model.parametrization import branch_multiplier
 from qkvlab.run.config import RunConfig
 from qkvlab.run.device import autocast
 from qkvlab.run.load import check_vocab, open_data
 from qkvlab.train.optim import build_optimizer, set_lr
 
-TENSORS: tuple[str, ...] = ("embedding", "attn_logits", "attn_out", "mlp_out", "output_logits")
+TENSORS: tuple[str, ...] = ("embedding", "attn_logits", "attn_out", "mlp_out", "residual",
+                            "output_logits")
 
 
 @dataclass(frozen=True)
 class CoordCheck:
-    """What to measure: the shapes (widths, or depths at the config's width), the steps, and
-    the constant lr (None: the config's optim.lr) and batch (None: the config's)."""
+    """What to measure: the shapes (widths, or depths at the config's width), the steps, the
+    constant lr (None: the config's optim.lr) and batch (None: the config's), and how many seeds
+    (initial weights and batches) each mean |x| averages: the first steps at a large lr
+    oscillate, and one seed's oscillation is not a trend."""
 
     widths: tuple[int, ...] = ()
     depths: tuple[int, ...] = ()
     steps: int = 4
     lr: float | None = None
     batch_size: int | None = None
+    seeds: int = 1
 
     def __post_init__(self) -> None:
         if bool(self.widths) == bool(self.depths):
@@ -56,6 +66,8 @@ class CoordCheck:
                 raise QkvlabError(f"--{name} must be distinct positive integers, got {values}")
         if self.steps < 1:
             raise QkvlabError(f"--steps must be at least 1, got {self.steps}")
+        if self.seeds < 1:
+            raise QkvlabError(f"--seeds must be at least 1, got {self.seeds}")
         if self.lr is not None and not (math.isfinite(self.lr) and self.lr > 0):
             raise QkvlabError(f"--lr must be a positive number, got {self.lr}")
 
@@ -90,19 +102,24 @@ class _Probe:
 
     def __init__(self, model: GPT):
         self.sums: dict[str, list[float]] = {}
-        self.handles = [model.drop.register_forward_hook(self._keep("embedding"))]
+        unfold = 1.0 / branch_multiplier(model.cfg)  # a block's output before its multiplier
+        self.handles = [model.drop.register_forward_hook(self._keep("embedding")),
+                        model.norm_f.register_forward_hook(self._keep_input("residual"))]
         for _, block in model.layers():
             self.handles += [
                 block.attn.register_forward_hook(self._logits),
-                block.attn.register_forward_hook(self._keep("attn_out")),
-                block.mlp.register_forward_hook(self._keep("mlp_out")),
+                block.attn.register_forward_hook(self._keep("attn_out", unfold)),
+                block.mlp.register_forward_hook(self._keep("mlp_out", unfold)),
             ]
 
-    def _add(self, name: str, x: torch.Tensor) -> None:
-        self.sums.setdefault(name, []).append(x.detach().float().abs().mean().item())
+    def _add(self, name: str, x: torch.Tensor, scale: float = 1.0) -> None:
+        self.sums.setdefault(name, []).append(scale * x.detach().float().abs().mean().item())
 
-    def _keep(self, name: str):
-        return lambda _module, _inputs, out: self._add(name, out)
+    def _keep(self, name: str, scale: float = 1.0):
+        return lambda _module, _inputs, out: self._add(name, out, scale)
+
+    def _keep_input(self, name: str):
+        return lambda _module, inputs, _out: self._add(name, inputs[0])
 
     def _logits(self, attn, inputs, _out) -> None:
         with torch.no_grad():
@@ -158,14 +175,18 @@ def run_coordcheck(cfg: RunConfig, check: CoordCheck, say=print) -> dict[str, An
     rows = []
     for axis, value, shaped in shapes:
         say(f"{cfg.model.parametrization}, {cfg.model.projection}: {axis} {value}")
-        for step, means in enumerate(measure(shaped, check.steps, lr, batch)):
-            rows += [{axis: value, "step": step, "tensor": t, "mean_abs": means[t]}
-                     for t in TENSORS]
+        runs = [measure(dataclasses.replace(shaped, train=dataclasses.replace(
+            shaped.train, seed=shaped.train.seed + i)), check.steps, lr, batch)
+            for i in range(check.seeds)]
+        for step in range(check.steps + 1):
+            rows += [{axis: value, "step": step, "tensor": t,
+                      "mean_abs": sum(r[step][t] for r in runs) / len(runs)} for t in TENSORS]
     m = cfg.model
     return {"parametrization": m.parametrization, "projection": m.projection,
             "depth_scaling": m.depth_rule, "base_width": m.base_width or m.n_embd,
             "base_depth": m.base_depth or m.n_layer, "head_dim": m.d_head, "lr": lr,
             "batch_size": batch, "block_size": m.block_size, "dtype": cfg.train.dtype,
+            "seeds": [cfg.train.seed + i for i in range(check.seeds)],
             "axis": "width" if check.widths else "depth", "rows": rows}
 
 
@@ -203,7 +224,8 @@ def draw(records: list[dict[str, Any]], path: Path) -> Path:
             ax.set_title(f"{tensor} (x{growth(rec, tensor):.1f})", fontsize=9)
             ax.set_xlabel(f"{axis} ({'n_embd' if axis == 'width' else 'layers'})", fontsize=8)
             ax.tick_params(labelsize=7)
-        row[0].set_ylabel(f"{rec['parametrization']}, {rec['projection']}\nmean |x|",
+        depth = f", {rec['depth_scaling']}" if axis == "depth" else ""
+        row[0].set_ylabel(f"{rec['parametrization']}, {rec['projection']}{depth}\nmean |x|",
                           fontsize=9)
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     rec = records[0]

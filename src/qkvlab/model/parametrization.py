@@ -96,6 +96,12 @@ def residual_depth(cfg: ModelConfig) -> int:
     return cfg.n_layer if cfg.depth_rule == "none" else (cfg.base_depth or cfg.n_layer)
 
 
+def branch_multiplier(cfg: ModelConfig) -> float:
+    """mL^-alpha, the multiplier on each residual branch's output (folded into its output
+    projection: the model's forward never multiplies by it)."""
+    return depth_mult(cfg) ** -DEPTH_ALPHA[cfg.depth_rule]
+
+
 def readout_multiplier(cfg: ModelConfig) -> float:
     """The forward multiplier on the head's input that no weight can absorb: 1/m for a head
     tied to the embedding under "mup"; 1 otherwise (an untied head folds it)."""
@@ -126,7 +132,7 @@ def scaling(cfg: ModelConfig, role: str, branch: bool) -> Scaling:
         base = Scaling(lr=depth_lr, decay=0.0)
     if not branch or a == 0:
         return base
-    c = mL ** -a  # the branch multiplier, folded into the branch's output projection
+    c = branch_multiplier(cfg)  # folded into the branch's output projection
     return Scaling(init=base.init * c, lr=base.lr * c, decay=base.decay, eps=base.eps / c)
 
 
