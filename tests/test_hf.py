@@ -127,7 +127,7 @@ def test_export_logits_equal(tmp_path, name):
 
 
 def test_q_identity_writes_half_identity(tmp_path):
-    model = random_gpt(tiny(projection="q-identity"))
+    model = random_gpt(tiny(projection="q-identity", attn_scale="paper"))
     config, tensors = to_gpt2(model)
     q = tensors["transformer.h.0.attn.c_attn.weight"][:, :32]
     assert torch.equal(q, 0.5 * torch.eye(32))
@@ -328,7 +328,7 @@ def test_import_refusals(tmp_path):
 
 
 def test_cli_export_and_import(tmp_path, capsys):
-    model = random_gpt(tiny(projection="q-identity"))
+    model = random_gpt(tiny(projection="q-identity", attn_scale="paper"))
     ckpt = save_ckpt(model, tmp_path / "run")
     assert main(["export", str(ckpt), "--format", "hf", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out

@@ -1,7 +1,7 @@
 """W_Q = I inside a transformers model: `identity_query(model, scale=...)`.
 
     model = LlamaForCausalLM(config)          # or GPT2LMHeadModel, or .from_pretrained(dir)
-    identity_query(model, scale="paper")      # W_Q = I from scratch, at qkvlab's "paper" scale
+    identity_query(model, scale="standard")   # W_Q = I from scratch, at the standard 1/sqrt(d_k)
     Trainer(model=model, ...).train()         # nothing else changes
     model.save_pretrained(out)                # a plain folder: q_proj = r I written out
 
