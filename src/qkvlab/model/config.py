@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qkvlab.errors import QkvlabError, require
-from qkvlab.model.parametrization import DEPTH_ALPHA, PARAMETRIZATIONS, ZERO_INITS
 from qkvlab.model.scale import (
     SCALE_BOUNDS,
     SCALE_RULES,
@@ -49,6 +48,13 @@ SAVED_DEFAULTS: dict[str, Any] = {"attn_scale": "paper", "attn_impl": "sdpa"}
 # Of those, the keys that records written before the rule names stored as null, as sweep
 # fingerprints still hash them (experiments/spec.py).
 NULL_IN_OLD_RECORDS: tuple[str, ...] = ("attn_scale",)
+# model.parametrization (model/parametrization.py holds what each one does)
+PARAMETRIZATIONS: tuple[str, ...] = ("standard", "mup")
+# model.depth_scaling -> alpha, the exponent of the residual branch multiplier (L0 / L)^alpha
+DEPTH_ALPHA: dict[str, float] = {"none": 0.0, "depth-mup": 0.5, "completep": 1.0}
+# model.attn_zero_init: which logit factor's weight starts at zero, so that attention starts
+# uniform (μP's zero query; where the query is the identity the key is the nearest analogue)
+ZERO_INITS: tuple[str, ...] = ("none", "query", "key")
 # Keys added after sweeps were archived, at the values that mean what those sweeps ran: a
 # fingerprint leaves them out at these values, so it stays what it was (experiments/spec.py).
 FINGERPRINT_NEUTRAL: dict[str, Any] = {"parametrization": "standard", "base_width": None,

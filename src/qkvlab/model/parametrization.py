@@ -36,19 +36,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qkvlab.model.config import DEPTH_ALPHA, ModelConfig
+
 if TYPE_CHECKING:  # the table reads a built model's parameters; gpt.py imports this module
     import torch
     from torch import nn
 
-    from qkvlab.model.config import ModelConfig
-
-PARAMETRIZATIONS: tuple[str, ...] = ("standard", "mup")
-# depth_scaling -> alpha, the exponent of the residual branch multiplier mL^-alpha
-DEPTH_ALPHA: dict[str, float] = {"none": 0.0, "depth-mup": 0.5, "completep": 1.0}
 ROLES: tuple[str, ...] = ("embedding", "hidden", "readout", "gain")
-# attn_zero_init: which logit factor starts at zero, so that attention starts uniform (μP's
-# zero query; where the query is the identity the key is the nearest analogue)
-ZERO_INITS: tuple[str, ...] = ("none", "query", "key")
 # a residual branch's output projections: the depth multiplier folds into these
 BRANCH_OUTPUTS: tuple[str, ...] = ("attn.out_proj.", "mlp.fc_out.")
 EMBEDDINGS: tuple[str, ...] = ("wte.weight", "wpe.weight")
