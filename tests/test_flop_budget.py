@@ -225,3 +225,21 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
         cfg.train, flop_budget=20.5 * cfg.flops_per_step))
     with pytest.raises(QkvlabError, match="train.flop_budget"):
         train(other, resume=True, quiet=True)
+
+
+def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
+    groups = load_spec("mup-isoflop").groups()
+    assert len(groups) == 30 and sum(g.baseline for g in groups) == 1
+    cells = {(g.family, g.config.model.n_embd, g.config.train.flop_budget) for g in groups}
+    assert cells == {(arm, d, b) for arm in ("baseline", "q-identity")
+                     for d in (64, 128, 192, 256, 320) for b in (1e13, 4e13, 1.6e14)}
+    for g in groups:
+        cfg, m = g.config, g.config.model
+        assert g.name == f"{g.family}-d{m.n_embd}.flops{cfg.train.flop_budget:g}".replace(
+            "e+", "e")
+        assert m.d_head == 64 and m.n_head == m.n_embd // 64 and m.n_layer == 4
+        assert m.parametrization == "mup" and m.projection == g.family
+        budget = cfg.train.flop_budget
+        assert budget - cfg.flops_per_step < cfg.train_flops <= budget
+        assert cfg.decay_steps == cfg.steps and cfg.warmup_steps == round(0.1 * cfg.steps)
+        assert (cfg.optim.lr, m.alpha) == (4e-3, 1.0)  # the placeholders
