@@ -22,9 +22,9 @@ A spec is a TOML file (data only: nothing is executed) with one [spec] table and
 
 A variant starts from the base, applies its `rule` (the paper's derivations, written once in
 variants.py; a key the spec's `set` or `--set` names stays as the user set it, see
-experiments/rules.py), then its fields (a whitelist of model and optimizer keys,
-VARIANT_FIELDS), then its grid point, then its own `set` overrides. Anything else is refused
-with the valid keys.
+experiments/rules.py), then its fields (a whitelist of model and optimizer keys and
+train.flop_budget, VARIANT_FIELDS), then its grid point, then its own `set` overrides.
+Anything else is refused with the valid keys.
 
 One (variant, grid point) is a *group*; a group times a seed is a *run*, trained in
 <out>/<group>/seed-<seed>/. A group's fingerprint is the sha256 of its resolved config without

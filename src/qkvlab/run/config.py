@@ -110,7 +110,7 @@ class OptimConfig:
     # the warmup as a share of the run's steps (RunConfig.warmup_steps, rounded): a schedule
     # that keeps its shape when train.flop_budget sets the length. Replaces warmup_steps.
     warmup_fraction: float | None = None
-    # Cosine horizon; None means train.max_steps. May exceed max_steps (the paper: 600k vs 105k).
+    # Cosine horizon; None means the run's steps. May exceed them (the paper: 600k vs 105k).
     decay_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
