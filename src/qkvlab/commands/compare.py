@@ -123,7 +123,7 @@ def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, con
         if fresh and run_dir.exists():
             shutil.rmtree(run_dir)
         summary = read_json_record(run_dir / SUMMARY_FILE)
-        if is_finished(summary, cfg.train.max_steps):
+        if is_finished(summary, cfg.steps):
             console.print(f"[bold]{name}[/]: finished earlier in {run_dir}, reusing it")
         else:
             todo.append((name, what, cfg, int((summary or {}).get("steps") or 0)))
@@ -155,7 +155,7 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
     del bench
     total = 0.0
     for _, _, c, done in todo:
-        steps = max(0, c.train.max_steps - done)
+        steps = max(0, c.steps - done)
         evals = steps // c.train.eval_interval + 1
         # an evaluation is a forward pass (~1/3 of a training step) over eval_windows windows
         eval_steps = evals * c.train.eval_windows / c.train.batch_size / 3

@@ -59,7 +59,7 @@ def reuse_problem(cfg: RunConfig) -> str | None:
     names, paths, logging), an interrupted one is resumed only with its trajectory (what
     `qkvlab train --resume` checks), and a folder without either is trained afresh."""
     run_dir = Path(cfg.out_dir)
-    finished = is_finished(read_json_record(run_dir / SUMMARY_FILE), cfg.train.max_steps)
+    finished = is_finished(read_json_record(run_dir / SUMMARY_FILE), cfg.steps)
     if not finished and not list_checkpoints(run_dir):
         return None
     try:

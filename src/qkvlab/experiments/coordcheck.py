@@ -36,7 +36,7 @@ from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.model.parametrization import branch_multiplier
 from qkvlab.run.config import RunConfig
-from qkvlab.run.device import autocast
+from qkvlab.run.device import autocast, resolve_device
 from qkvlab.run.load import check_vocab, open_data
 from qkvlab.train.optim import build_optimizer, set_lr
 
@@ -140,7 +140,7 @@ def measure(cfg: RunConfig, steps: int, lr: float, batch_size: int) -> list[dict
     """Train `cfg` for `steps` steps at constant `lr`; each tensor's mean |x| at every step
     (step 0: at initialisation; step t: after t updates)."""
     torch.manual_seed(cfg.train.seed)
-    device = torch.device("cpu")
+    device = resolve_device(cfg.train.device)  # "auto": a GPU where one is visible
     data = open_data(cfg.data, log=lambda _msg: None)
     check_vocab(cfg, data)
     model = GPT(cfg.model.on_device(device.type)).to(device)
@@ -152,6 +152,7 @@ def measure(cfg: RunConfig, steps: int, lr: float, batch_size: int) -> list[dict
         for step in range(steps + 1):
             x, y = data.train_batch(step, 0, batch_size, cfg.model.block_size, cfg.train.seed,
                                     order=cfg.data.order)
+            x, y = x.to(device), y.to(device)
             with autocast(device, cfg.train.dtype):
                 logits, loss = model(x, y)
             records.append(probe.take(logits))
@@ -186,6 +187,7 @@ def run_coordcheck(cfg: RunConfig, check: CoordCheck, say=print) -> dict[str, An
             "depth_scaling": m.depth_rule, "base_width": m.base_width or m.n_embd,
             "base_depth": m.base_depth or m.n_layer, "head_dim": m.d_head, "lr": lr,
             "batch_size": batch, "block_size": m.block_size, "dtype": cfg.train.dtype,
+            "device": resolve_device(cfg.train.device).type,
             "seeds": [cfg.train.seed + i for i in range(check.seeds)],
             "axis": "width" if check.widths else "depth", "rows": rows}
 

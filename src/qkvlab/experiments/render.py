@@ -217,7 +217,9 @@ def _provenance(rep: Report, command: str) -> list[str]:
     fp = rep.record.get("fingerprint")
     L.append(f"- Spec fingerprint: `{fp[:16] if fp else 'n/a'}`; base `{spec.base}`"
              + (f" with {', '.join(f'`{s}`' for s in spec.set)}" if spec.set else ""))
-    L.append(f"- Shared settings: {cfg.train.max_steps:,} steps x {cfg.tokens_per_step:,} tokens "
+    length = (f"{cfg.steps:,} steps" if cfg.train.flop_budget is None else
+              "the steps each group's train.flop_budget pays for")
+    L.append(f"- Shared settings: {length} x {cfg.tokens_per_step:,} tokens "
              f"({cfg.train.batch_size} x {cfg.train.grad_accum} x {cfg.model.block_size}), "
              f"objective {cfg.train.objective}, data `{cfg.data.dir}` ({cfg.data.tokenizer}), "
              f"eval on {cfg.train.eval_windows} fixed windows of {cfg.model.block_size} tokens"

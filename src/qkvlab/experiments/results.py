@@ -156,7 +156,7 @@ def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupRe
     return GroupResult(
         group=group, rule=rule,
         params={"non_embedding_params": counts.non_embedding, "total_params": counts.total},
-        tokens_per_run=cfg.train.max_steps * cfg.tokens_per_step,
+        tokens_per_run=cfg.steps * cfg.tokens_per_step,
         runs=runs,
         loss=summarize([r.final_loss for r in done]),
         acc=summarize([r.final_acc for r in done if r.final_acc is not None]),

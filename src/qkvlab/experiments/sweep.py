@@ -55,7 +55,7 @@ from qkvlab.experiments.spec import (
     identity_diff,
 )
 from qkvlab.fsutil import check_tree, write_text_atomic
-from qkvlab.model.params import count_params, flops_per_token
+from qkvlab.model.params import count_params
 from qkvlab.run.config import (
     EMBEDDED_SOURCE,
     REUSE_HARMLESS,
@@ -98,7 +98,7 @@ class RunState:
 def run_state(run: Run) -> RunState:
     run_dir = run.run_dir
     summary = read_json_record(run_dir / SUMMARY_FILE)
-    max_steps = run.config.train.max_steps
+    max_steps = run.config.steps
     if is_finished(summary, max_steps):
         return RunState("done", int(summary["steps"]), summary.get("final_val_loss"))
     failed = read_json_record(run_dir / FAILED_FILE)
@@ -214,7 +214,7 @@ def check_run_dirs(runs: list[Run]) -> None:
             raise QkvlabError(f"run folder {run.run_dir} was trained with another config "
                               f"({'; '.join(diff[:4])}): it is not this spec's run; move it away "
                               "or choose another --out")
-        if is_finished(read_json_record(run.run_dir / SUMMARY_FILE), run.config.train.max_steps):
+        if is_finished(read_json_record(run.run_dir / SUMMARY_FILE), run.config.steps):
             diffs = config_diff(saved, run.config, REUSE_HARMLESS)
             if diffs:
                 raise QkvlabError(
@@ -307,7 +307,7 @@ def progress_table(spec: Spec, runs: list[Run], states: dict[Path, RunState],
         cells = []
         for s in seeds:
             r = row.get(s)
-            cells.append(_cell(states[r.run_dir], r.config.train.max_steps) if r else "")
+            cells.append(_cell(states[r.run_dir], r.config.steps) if r else "")
         table.add_row(name + (" *" if next(iter(row.values())).group.baseline else ""), *cells)
     table.caption = "* the baseline"
     return table
@@ -330,7 +330,7 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
                         f"({len({r.group.name for r in runs})} variants x "
                         f"{len({r.seed for r in runs})} seeds)")
     for col in ("variant", "projection", "d", "MLP", "scale", "wd", "lr", "non-emb params",
-                "total params", "tokens/run", "PFLOP/run", "seeds: status"):
+                "total params", "steps", "tokens/run", "PFLOP/run", "seeds: status"):
         table.add_column(col, justify="left" if col in ("variant", "projection",
                                                         "seeds: status") else "right")
     groups: dict[str, list[Run]] = {}
@@ -340,8 +340,8 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
         cfg = rs[0].config
         m = cfg.model
         counts = count_params(m)
-        tokens = cfg.train.max_steps * cfg.tokens_per_step
-        pflop = tokens * flops_per_token(m) / 1e15
+        tokens = cfg.steps * cfg.tokens_per_step  # the steps a flop budget pays for, if one
+        pflop = cfg.train_flops / 1e15
         counts_by_status: dict[str, int] = {}
         for r in rs:
             st = states[r.run_dir].status
@@ -350,7 +350,8 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
         table.add_row(name + (" *" if rs[0].group.baseline else ""), m.projection,
                       str(m.n_embd), str(m.hidden), f"{m.scale:.4g}",
                       f"{cfg.optim.weight_decay:.4g}", f"{cfg.optim.lr:.3g}",
-                      f"{counts.non_embedding:,}", f"{counts.total:,}", f"{tokens:,}",
+                      f"{counts.non_embedding:,}", f"{counts.total:,}", f"{cfg.steps:,}",
+                      f"{tokens:,}",
                       f"{pflop:.3g}", status)
     table.caption = "* the baseline of the paired comparisons"
     return table
@@ -363,9 +364,9 @@ def remaining_work(runs: list[Run], states: dict[Path, RunState]) -> tuple[int, 
         st = states[r.run_dir]
         if st.status == "done":
             continue
-        left = max(r.config.train.max_steps - st.step, 0) * r.config.tokens_per_step
-        tokens += left
-        flops += left * flops_per_token(r.config.model)
+        left_steps = max(r.config.steps - st.step, 0)
+        tokens += left_steps * r.config.tokens_per_step
+        flops += left_steps * r.config.flops_per_step
     return tokens, flops
 
 
@@ -407,7 +408,7 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
             except QkvlabError:
                 continue  # not a run this qkvlab can read: nothing to reuse
             if is_finished(read_json_record(cfg_path.parent / SUMMARY_FILE),
-                           cfg.train.max_steps):
+                           cfg.steps):
                 finished.setdefault(key(cfg, cfg.train.seed), []).append((cfg, cfg_path.parent))
     found = {}
     for run in runs:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qkvlab.model.parametrization import ParamRule, Scaling, parameter_table
-from qkvlab.run.config import OptimConfig
+from qkvlab.run.config import OptimConfig, RunConfig
 
 
 def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
@@ -59,22 +59,33 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         return torch.optim.AdamW(groups, **kwargs)
 
 
-def lr_at(step: int, cfg: OptimConfig, max_steps: int | None = None) -> float:
+def lr_at(step: int, cfg: OptimConfig, max_steps: int | None = None,
+          warmup_steps: int | None = None) -> float:
     """Learning rate for optimizer step `step` (0-based).
 
-    Linear warmup reaching cfg.lr at step warmup_steps - 1, cosine from cfg.lr at warmup_steps
-    to cfg.min_lr at the horizon (cfg.decay_steps, else max_steps), then constant min_lr.
+    Linear warmup (warmup_steps, else cfg.warmup_steps) reaching cfg.lr at its last step,
+    cosine from cfg.lr to cfg.min_lr at the horizon (cfg.decay_steps, else max_steps), then
+    constant min_lr. A run's schedule is `run_lr`.
     """
     horizon = cfg.decay_steps or max_steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if horizon is None or horizon <= cfg.warmup_steps:
+    warmup = warmup_steps if warmup_steps is not None else cfg.warmup_steps
+    if warmup is None:
+        raise ValueError("optim.warmup_fraction needs the run's steps: call run_lr")
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    if horizon is None or horizon <= warmup:
         return cfg.lr  # no decay horizon: stay at the peak
     if step >= horizon:
         return cfg.min_lr
-    progress = (step - cfg.warmup_steps) / (horizon - cfg.warmup_steps)
+    progress = (step - warmup) / (horizon - warmup)
     coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+def run_lr(step: int, cfg: RunConfig) -> float:
+    """The learning rate of a run's step `step`: its warmup and horizon as RunConfig resolves
+    them (a flop budget's steps, a warmup fraction of them)."""
+    return lr_at(step, cfg.optim, cfg.decay_steps, cfg.warmup_steps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -25,7 +25,7 @@ from qkvlab.run.machine import machine_record
 from qkvlab.run.metrics import finite_or_null
 from qkvlab.train import objectives
 from qkvlab.train.long_eval import SUMMARY_KEY, long_val_loss
-from qkvlab.train.optim import lr_at, set_lr
+from qkvlab.train.optim import run_lr, set_lr
 from qkvlab.train.session import Session
 
 
@@ -38,7 +38,7 @@ def train_step(s: Session, step: int) -> dict[str, Any]:
     """
     cfg, par, device = s.cfg, s.par, s.device
     t0 = time.perf_counter()
-    lr = lr_at(step, cfg.optim, cfg.train.max_steps)
+    lr = run_lr(step, cfg)
     set_lr(s.optimizer, lr)
     loss_sum = torch.zeros((), device=device)
     micros = par.micro_steps()  # one process: micro-steps 0..grad_accum-1, whole
@@ -81,8 +81,8 @@ def show_step(s: Session, done: int, rec: dict[str, Any], logged: bool) -> None:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
             if rec.get(key) is not None:
                 log_scalar(s, f"train/{key}", rec[key], done)
-    max_steps = s.cfg.train.max_steps
-    s.reporter.step(done, max_steps, rec, s.clock.eta(max_steps - done), logged)
+    steps = s.cfg.steps
+    s.reporter.step(done, steps, rec, s.clock.eta(steps - done), logged)
 
 
 def log_scalar(s: Session, tag: str, value: float, step: int) -> None:
@@ -204,6 +204,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
     return finite_or_null({
         "steps": st.step,
         "tokens": st.step * s.cfg.tokens_per_step,
+        "train_flops": st.step * s.cfg.flops_per_step,  # what a flop budget counts
         "final_val_loss": st.last_val_loss,
         "final_val_ppl": perplexity(st.last_val_loss),
         "final_val_step": st.last_val_step,  # the step whose weights final_val_loss measured
