@@ -42,7 +42,7 @@ def mup_model(cfg, base_cfg, delta_cfg):
 
     model, base, delta = build(cfg), build(base_cfg), build(delta_cfg)
     mup.set_base_shapes(model, base, delta=delta)
-    for name, p in model.named_parameters():  # mup's init for every matrix: std / sqrt(fan-in mult)
+X
         if p.dim() >= 2 and name != "wte.weight" and name != "wpe.weight":
             mup.init.normal_(p, std=base_std(cfg, name))
     return model
