@@ -42,7 +42,8 @@ def mup_model(cfg, base_cfg, delta_cfg):
 
     model, base, delta = build(cfg), build(base_cfg), build(delta_cfg)
     mup.set_base_shapes(model, base, delta=delta)
-X
+    # mup's init for every matrix: std / sqrt(fan-in mult)
+    for name, p in model.named_parameters():
         if p.dim() >= 2 and name != "wte.weight" and name != "wpe.weight":
             mup.init.normal_(p, std=base_std(cfg, name))
     return model
@@ -92,7 +93,8 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=1e-8, help="Adam eps at the base width")
     args = ap.parse_args()
     cfg0 = load_config(args.config, [f"model.projection={args.projection}",
-                                      "model.parametrization=mup", "train.dtype=fp32", f"optim.eps={args.eps}"])
+                                      "model.parametrization=mup", "train.dtype=fp32",
+                                      f"optim.eps={args.eps}"])
     data = open_data(cfg0.data, log=lambda _m: None)
     widths = [int(w) for w in args.widths.split(",")]
     base, delta = at_shape(cfg0, width=widths[0]), at_shape(cfg0, width=2 * widths[0])
