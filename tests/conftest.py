@@ -3,6 +3,7 @@
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -20,6 +21,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test starts from the same random state, whichever tests ran before it: inputs
+    drawn from the global generators (torch.randn, ...) are the same on every run."""
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
 
 
 @pytest.fixture(scope="module")

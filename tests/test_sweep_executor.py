@@ -188,8 +188,11 @@ CHILD = textwrap.dedent("""
     (run_dir / "started").write_text("")
     if error:
         print(error, flush=True)
-    if status == -15:  # killed by SIGTERM, once the other runs are under way
-        time.sleep(1.5)
+    if status == -15:  # killed by SIGTERM, once both groups' runs at its seed are under way
+        deadline = time.monotonic() + 60  # (their handlers in place: a signal is noted)
+        while (len(list(run_dir.parents[1].glob(f"*/{run_dir.name}/started"))) < 2
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
     if status == 99:  # trains until a signal stops it

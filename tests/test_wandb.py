@@ -78,19 +78,19 @@ def records(path: Path):
 def offline_runs(run_dir: Path) -> list[Path]:
     """The .wandb files of a run folder's W&B sessions, oldest first, each once it is written
     out: wandb-core writes the log in its own process, and on a loaded machine its last flush
-    can land after run.finish has returned."""
+    can land after run.finish has returned. A finished session's log ends in its exit record."""
     paths = sorted((run_dir / WANDB_DIR).glob("offline-run-*/run-*.wandb"))
     for path in paths:
-        deadline, size = time.monotonic() + 60, -1
-        while time.monotonic() < deadline and (path.stat().st_size != size or not _has_run(path)):
-            size = path.stat().st_size
-            time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while not _has_exit(path):
+            assert time.monotonic() < deadline, f"{path} has no exit record"
+            time.sleep(0.1)
     return paths
 
 
-def _has_run(path: Path) -> bool:
+def _has_exit(path: Path) -> bool:
     try:
-        return any(r.WhichOneof("record_type") == "run" for r in records(path))
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
     except AssertionError:  # a chunk still being written
         return False
 
