@@ -26,7 +26,9 @@ def cfg(d: int = 64, **kw) -> ModelConfig:
 def test_rules_resolve_to_the_documented_numbers():
     dk = 64
     standard = 1 / math.sqrt(dk)
-    assert cfg(256, projection="q-identity").scale == pytest.approx(standard / 2)  # default
+    assert cfg(256, projection="q-identity").scale == standard  # the default: as the baseline
+    assert cfg(256, projection="q-identity", attn_scale="paper").scale == \
+        pytest.approx(standard / 2)
     assert cfg(256, projection="q-identity", attn_scale="standard").scale == standard
     matched = cfg(256, projection="q-identity", attn_scale="matched").scale
     assert matched == pytest.approx(standard * 0.02 * math.sqrt(256))

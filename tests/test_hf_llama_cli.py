@@ -95,11 +95,13 @@ def test_trained_llama_preset_exports_as_llama_and_imports_back(llama_run, tmp_p
 
 
 @pytest.mark.parametrize("kw, note, back_as", [
-    (dict(projection="q-identity"), "W_Q = I written as 0.5 I in q_proj", "q-identity"),
+    (dict(projection="q-identity", attn_scale="paper"), "W_Q = I written as 0.5 I in q_proj",
+     "q-identity"),
     # per-head gains make q_proj diag(r g_h), no multiple of I: the same function as a matrix
     (dict(projection="q-identity", attn_scale="learned", n_kv_head=2, tie_embeddings=False),
      "gains folded into q_proj", "baseline"),
-    (dict(projection="k-identity", share_layers=True), "W_K = I written as 0.5 I in k_proj",
+    (dict(projection="k-identity", share_layers=True, attn_scale="paper"),
+     "W_K = I written as 0.5 I in k_proj",
      "k-identity"),
 ])
 def test_identity_schemes_export_as_llama_with_equal_logits(tmp_path, capsys, kw, note,

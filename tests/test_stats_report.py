@@ -433,9 +433,9 @@ attn_scale = "fitted"
     diffs = [runs[("qid-held", s)] - runs[("baseline-held", s)] for s in (1, 2)]
     ref = (runs[("baseline-held", 1)] + runs[("baseline-held", 2)]) / 2
     assert r["relative_pct"] == pytest.approx(50 * sum(diffs) / ref)
-    # the spec's own pair runs the default rule, "paper", at d = 16: paired under it too
-    assert {(g["rule"], g["width"]) for g in data["scale_rule_gaps"]} == {("fitted", 32),
-                                                                          ("paper", 16)}
+    # the spec's own pair at d = 16 runs two rules (the baseline the default "standard", W_Q = I
+    # its rule's "paper"): not a pair under one rule
+    assert {(g["rule"], g["width"]) for g in data["scale_rule_gaps"]} == {("fitted", 32)}
     assert "### Named scale rules against baseline under the same rule" in text
     assert "| fitted | qid | 32 |" in text
 

@@ -112,10 +112,15 @@ def run_record(path: Path):
 
 
 def expected(run_dir: Path, after: int = -1) -> dict[tuple[str, int], float]:
-    """What metrics.jsonl says the scalars of steps > `after` are (step 0: the initial eval)."""
-    return {(tag, r["step"]): r[key] for r in read_metrics(run_dir) if r["step"] > after
-            for tag, key in TAGS.items()
-            if r.get(key) is not None and (r["step"] > 0 or tag == "val/loss")}
+    """What metrics.jsonl says the scalars of steps > `after` are (step 0: the initial eval),
+    and summary.json the final loss over the long validation set (val/loss_long)."""
+    out = {(tag, r["step"]): r[key] for r in read_metrics(run_dir) if r["step"] > after
+           for tag, key in TAGS.items()
+           if r.get(key) is not None and (r["step"] > 0 or tag == "val/loss")}
+    summary = json.loads((run_dir / "summary.json").read_text())
+    if summary.get("final_val_loss_long"):
+        out[("val/loss_long", summary["steps"])] = summary["final_val_loss_long"]["loss"]
+    return out
 
 
 # ---- the tests ----------------------------------------------------------------------------
