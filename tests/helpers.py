@@ -46,3 +46,52 @@ def refused(capsys, args: list[str]) -> str:
     err = capsys.readouterr().err.strip()
     assert err and "\n" not in err and "Traceback" not in err
     return err
+
+
+def modes_binding_prefix() -> list[str] | None:
+    """A command prefix under which file modes bind a child process, or None where none can be
+    made (the test skips). A plain user needs none; root (whom `chmod 555` does not stop)
+    gets setpriv dropping the capabilities that override file modes, checked to work here."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    caps = "-dac_override,-dac_read_search,-fowner"
+    prefix = [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}"]
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o555)
+        try:
+            probe = subprocess.run([*prefix, sys.executable, "-c",
+                                    f"open({folder + '/probe'!r}, 'w')"], capture_output=True)
+        except OSError:
+            return None
+        finally:
+            os.chmod(folder, 0o755)
+    return prefix if probe.returncode != 0 else None
+
+
+def run_qkvlab_bound_by_modes(args: list[str], cwd: Path, env: dict[str, str] | None = None):
+    """`qkvlab ARGS` in a child process that file modes bind (skips the test where none can be
+    started), `env` added to its environment; returns the CompletedProcess (text output)."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    import qkvlab
+
+    prefix = modes_binding_prefix()
+    if prefix is None:
+        pytest.skip("needs a non-root user, or setpriv to make file modes bind root")
+    src = Path(qkvlab.__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src), **(env or {})}
+    return subprocess.run([*prefix, sys.executable, "-m", "qkvlab", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True)

@@ -4,10 +4,13 @@ import json
 
 import pytest
 
+from helpers import refused
 from qkvlab.cli import main
 from qkvlab.model.params import count_params
+from qkvlab.model.variants import COMPARE_RULES
 from qkvlab.run.config import load_config
 from qkvlab.run.metrics import read_metrics
+from test_variant_overrides import tiny_compare_args
 
 
 @pytest.mark.slow
@@ -48,3 +51,40 @@ def test_compare_rejects_unknown_preset(capsys):
     assert main(["compare", "--preset", "huge"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("qkvlab compare: error: unknown preset 'huge'") and "\n" not in err
+
+
+def test_compare_reuses_a_finished_run_only_for_the_config_it_was_trained_with(
+        data_dir, tmp_path, capsys):
+    """A finished run answers the command only when it was trained with the config asked for;
+    any other refuses before any work, naming the keys and the two ways on."""
+    out = tmp_path / "cmp"
+    args = tiny_compare_args(data_dir, out)  # 2 steps
+    assert main(args) == 0
+    assert "| steps |" in (out / "compare.md").read_text()
+    assert all(r["steps"] == 2 for r in json.loads((out / "compare.json").read_text()))
+    capsys.readouterr()
+    # logging and paths are no part of the result: reused
+    assert main([*args, "--set", "train.log_interval=2"]) == 0
+    assert capsys.readouterr().out.count("finished earlier") == 4
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    shorter = [("1" if a == "2" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]
+    for changed, named in [
+        ([*args, "--set", "optim.lr=5e-3"], "optim.lr (saved 0.002, now 0.005)"),
+        ([*args, "--seed", "99"], "train.seed (saved 1337, now 99)"),
+        ([*args, "--set", "model.n_layer=2"], "model.n_layer (saved 1, now 2)"),
+        (shorter, "train.max_steps (saved 2, now 1)"),  # no 2-step losses as 1-step ones
+        ([*args, "--set", "train.eval_windows=8"], "train.eval_windows (saved 4, now 8)"),
+    ]:
+        err = refused(capsys, changed)
+        assert f"{out / 'baseline-tuned'} finished with another config" in err, err
+        assert named in err and "choose a new --out, or pass --fresh" in err
+        assert "expected:" not in capsys.readouterr().out  # before the duration estimate
+    # a run to extend is resumed only with its trajectory, checked as early
+    longer = [("3" if a == "2" and args[i - 1] == "--steps" else a) for i, a in enumerate(args)]
+    err = refused(capsys, [*longer, "--set", "optim.lr=5e-3"])
+    assert "holds a run to resume" in err and "optim.lr (saved 0.002, now 0.005)" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files  # untouched
+    # --fresh retrains every variant with the config asked for
+    assert main([*args, "--set", "optim.lr=5e-3", "--fresh"]) == 0
+    for name in COMPARE_RULES:
+        assert load_config(str(out / name / "config.toml")).optim.lr == 5e-3

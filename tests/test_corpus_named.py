@@ -304,6 +304,41 @@ def test_prepare_is_deterministic(artifacts, tmp_path):
     assert sorted(bytes(tokens.astype(np.uint8))) == sorted(text)  # the same bytes, split
 
 
+def test_prepare_records_which_tokens_come_from_which_part(artifacts, tmp_path):
+    meta = prepare("english", "bytes", tmp_path / "a", val_fraction=0.25)
+    parts = {"dictionary": GCIDE_CLEAN, "wikipedia": WIKI_CLEAN, "bible": BIBLE_CLEAN}
+    for split in ("train", "val"):
+        tokens = np.fromfile(tmp_path / "a" / f"{split}.bin", dtype="<u2")
+        spans = meta["source_spans"][split]
+        # the spans tile the split, in corpus order
+        assert spans[0][1] == 0 and spans[-1][2] == len(tokens)
+        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:], strict=False))
+        assert [name for name, _, _ in spans] == [n for n in parts if n in {s[0] for s in spans}]
+        for name, first, end in spans:  # each span holds whole documents of its part
+            text = bytes(tokens[first:end].astype(np.uint8)).decode()
+            docs = [d for d in parts[name] if d in text]
+            assert "".join(docs) == text
+    # an older folder, prepared before spans were recorded, gets them when prepared again;
+    # its token files stay as they were
+    path = tmp_path / "a" / "meta.json"
+    old = {k: v for k, v in meta.items() if k != "source_spans"}
+    path.write_text(json.dumps(old))
+    before = (tmp_path / "a" / "val.bin").stat().st_mtime_ns
+    said = []
+    assert prepare("english", "bytes", tmp_path / "a", val_fraction=0.25, log=said.append) == meta
+    assert json.loads(path.read_text()) == meta
+    assert (tmp_path / "a" / "val.bin").stat().st_mtime_ns == before
+    assert any("recorded in meta.json" in line for line in said)
+    # ... unless its tokens are not those this version makes of the source
+    path.write_text(json.dumps(old))
+    val = tmp_path / "a" / "val.bin"
+    val.write_bytes(bytes(reversed(val.read_bytes())))
+    said.clear()
+    assert prepare("english", "bytes", tmp_path / "a", val_fraction=0.25, log=said.append) == old
+    assert "source_spans" not in json.loads(path.read_text())
+    assert any("records no source spans" in line for line in said)
+
+
 def test_cli_prepare_english_with_local_copies(artifacts, tmp_path, monkeypatch, capsys):
     from qkvlab.cli import main
 

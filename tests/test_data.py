@@ -577,6 +577,34 @@ def test_shuffled_batches_cover_the_split_once_and_partition_over_ranks(shakespe
         data.train_batch(0, 0, 2, 16, 1, order="sorted")
 
 
+def test_shuffled_batches_are_a_pure_function_of_seed_and_step(small_dir):
+    """Whatever was drawn before (other steps, other epochs, another seed, a fresh process's
+    empty cache), step s of seed k is the same batch: what exact resume and paired arms need."""
+    from qkvlab.data.loader import _epoch_windows
+
+    data = TokenData(small_dir)
+    block, bs, accum = 16, 8, 2
+    k = epoch_length(data.train_tokens, block)
+    steps = list(range(3 * k // (bs * accum) + 2))  # past two epoch boundaries
+
+    def batch(step: int, micro: int, seed: int = 5) -> torch.Tensor:
+        return data.train_batch(step, micro, bs, block, seed, order="shuffled",
+                                grad_accum=accum)[0]
+
+    _epoch_windows.cache_clear()
+    forward = {(s, m): batch(s, m) for s in steps for m in range(accum)}
+    _epoch_windows.cache_clear()
+    rng = np.random.default_rng(0)
+    for s in rng.permutation(steps).tolist():  # any order, other seeds in between
+        batch(s, 0, seed=6)
+        for m in (1, 0):
+            assert torch.equal(batch(s, m), forward[(s, m)])
+    # a new epoch is a new order: the first step of epoch 1 is not that of epoch 0
+    per_epoch = k // (bs * accum)
+    assert not torch.equal(forward[(0, 0)], forward[(per_epoch + 1, 0)])
+    assert not torch.equal(batch(0, 0, seed=6), forward[(0, 0)])
+
+
 def test_train_batch_too_little_data(small_dir):
     data = TokenData(small_dir)
     with pytest.raises(QkvlabError, match="block_size"):

@@ -231,7 +231,12 @@ def test_two_process_ddp_matches_single_and_resumes(data_dir, single, tmp_path):
           f"2-proc then resumed on 1: {d_to_1:.3g}")
     assert d_ddp < TOL and d_to_1 < TOL
     assert len(read_metrics(run)) == 9  # steps 0..8 once each: only rank 0 writes
-    assert json.loads((run / "summary.json").read_text())["world_size"] == 2
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    # the final long val loss, its batches dealt out over the processes, is the single one's
+    one = json.loads((single / "summary.json").read_text())["final_val_loss_long"]
+    two = summary["final_val_loss_long"]
+    assert two["tokens"] == one["tokens"] > 0 and abs(two["loss"] - one["loss"]) < TOL
     assert sorted(p.name for p in run.glob("ckpt-*")) == ["ckpt-0000004", "ckpt-0000008"]
     # the weights agree too, not only the losses
     from safetensors.torch import load_file

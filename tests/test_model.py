@@ -246,10 +246,15 @@ def test_counts_equal_numel_for_any_config(n_layer, n_head, kv_div, d_mult, proj
 
 
 def test_attention_scale_defaults_and_override():
-    assert tiny().scale == pytest.approx(1 / math.sqrt(8))
-    assert tiny(projection="q-identity").scale == pytest.approx(1 / (2 * math.sqrt(8)))
-    assert tiny(projection="k-identity").scale == pytest.approx(1 / (2 * math.sqrt(8)))
-    assert tiny(projection="v-identity").scale == pytest.approx(1 / math.sqrt(8))
+    # the default is the standard 1/sqrt(d_k) for every scheme; "paper" halves an identity's
+    for projection in ("baseline", "q-identity", "k-identity", "v-identity", "nonlinear-q"):
+        assert tiny(projection=projection).scale == pytest.approx(1 / math.sqrt(8))
+    assert tiny(projection="q-identity", attn_scale="paper").scale == \
+        pytest.approx(1 / (2 * math.sqrt(8)))
+    assert tiny(projection="k-identity", attn_scale="paper").scale == \
+        pytest.approx(1 / (2 * math.sqrt(8)))
+    assert tiny(projection="v-identity", attn_scale="paper").scale == \
+        pytest.approx(1 / math.sqrt(8))
     assert tiny(projection="q-identity", attn_scale=0.3).scale == 0.3
 
 

@@ -413,3 +413,17 @@ def test_keep_last_and_best(data_dir, tmp_path):
     best = store.read_checkpoint(tmp_path / "run" / "best")
     vals = {r["step"]: r["val_loss"] for r in read_metrics(tmp_path / "run") if "val_loss" in r}
     assert best.state["val_loss"] == min(v for s, v in vals.items() if s > 0)
+
+
+def test_a_permission_error_names_the_path_as_text_and_the_permission_fix(tmp_path):
+    """A library that gives the file name as bytes (TensorBoard's writer) still gets a path in
+    the message, and a permission problem is not sent to "fix the disk"."""
+    from qkvlab.run import store
+
+    exc = PermissionError(errno.EACCES, "Permission denied", os.fsencode(tmp_path / "tb" / "ev"))
+    msg = str(store.storage_error(exc, tmp_path))
+    assert f"writing {tmp_path / 'tb' / 'ev'} failed: permission denied" in msg
+    assert "b'" not in msg and "fix the disk" not in msg
+    assert "give this user write permission there" in msg
+    full = OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    assert "free some space" in str(store.storage_error(full, tmp_path))

@@ -101,18 +101,24 @@ def test_the_lr_trend_is_the_power_of_the_lr_at_one_width():
            "(d / 128)^-0.42 (the line through two widths)" in text
 
 
-@pytest.mark.parametrize("lrs, panels", [((1e-3,), 2), ((1e-3, 2e-3), 3)])
-def test_the_scan_plot_adds_an_lr_panel_when_the_lr_was_scanned(tmp_path, monkeypatch, lrs,
-                                                                  panels):
-    from qkvlab.experiments import plots
+@pytest.mark.parametrize("lrs, axes", [((1e-3,), ["width"]), ((1e-3, 2e-3), ["width", "lr"])])
+def test_the_best_alpha_figure_adds_lr_panels_when_the_lr_was_scanned(tmp_path, lrs, axes):
+    from qkvlab.experiments.plots_scan import _trend_panels, plot_best_alpha, plot_scale_scan
 
     grid = [1, 2, 4, 8, 16]
     cells = [cell(w, bowl(4.0 / (lr / 1e-3), grid), family=f, lr=lr)
              for f in ("baseline", "qid") for w in (128, 256) for lr in lrs]
-    drawn = []
-    real = plots._best_alpha_panel
-    monkeypatch.setattr(plots, "_best_alpha_panel",
-                        lambda ax, cs, axis, *rest: drawn.append(axis) or real(ax, cs, axis, *rest))
-    plots.plot_scale_scan(cells, tmp_path / "scan.png")
-    assert drawn == ["width", "lr"][:panels - 1]
+    panels = _trend_panels(cells)
+    assert sorted({axis for axis, _, _ in panels}) == sorted(axes)
+    assert all(fams == ["baseline", "qid"] for _, _, fams in panels)
+    assert plot_best_alpha(cells, "scan", tmp_path / "best.png")
+    plot_scale_scan(cells, "scan", tmp_path / "scan.png")
     assert (tmp_path / "scan.png").stat().st_size > 5_000
+    assert (tmp_path / "best.png").stat().st_size > 5_000
+
+
+def test_no_best_alpha_figure_without_two_widths_or_lrs(tmp_path):
+    from qkvlab.experiments.plots_scan import plot_best_alpha
+
+    assert not plot_best_alpha([cell(128, bowl(4.0, [1, 2, 4, 8]))], "scan", tmp_path / "b.png")
+    assert not (tmp_path / "b.png").exists()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import stat
 from pathlib import Path
 
 import pytest
@@ -243,3 +245,19 @@ def test_best_checkpoint_has_no_optimizer(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(QkvlabError, match="no qkvlab checkpoint"):
         store.find_checkpoint(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o002], ids=["022", "002"])
+def test_weights_follow_the_umask_like_the_other_files(tmp_path, mask):
+    """safetensors writes 0600; a shared run folder's other users must be able to load them."""
+    old = os.umask(mask)
+    try:
+        cfg, model, opt = tiny(tmp_path)
+        path = save(cfg, model, opt, 5)
+        (tmp_path / "plain.txt").write_text("x")  # what any file created now gets
+    finally:
+        os.umask(old)
+    expected = 0o666 & ~mask
+    assert stat.S_IMODE((tmp_path / "plain.txt").stat().st_mode) == expected
+    for name in ("model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"):
+        assert stat.S_IMODE((path / name).stat().st_mode) == expected, name

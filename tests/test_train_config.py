@@ -155,7 +155,7 @@ def test_lr_schedule():
 def test_weight_decay_groups_and_optimizer():
     cfg = ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=50)
     model = GPT(cfg)
-    decay, no_decay = param_groups(model, 0.1)
+    decay, no_decay = param_groups(model, OptimConfig(weight_decay=0.1))
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() >= 2 for p in decay["params"])
     assert all(p.dim() < 2 for p in no_decay["params"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import run_qkvlab_bound_by_modes, tiny_config, tiny_overrides
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.run.config import load_config, save_config
@@ -54,6 +54,48 @@ def test_resume_is_exact(data_dir, tmp_path, dtype, order):
         (tmp_path / "b/ckpt-0000008/model.safetensors").read_bytes()
     assert (tmp_path / "a/ckpt-0000008/optimizer.safetensors").read_bytes() == \
         (tmp_path / "b/ckpt-0000008/optimizer.safetensors").read_bytes()
+
+
+def test_shuffled_resume_is_exact_across_an_epoch_boundary(data_dir, tmp_path):
+    from qkvlab.data.loader import TokenData, epoch_length
+
+    # 16 windows a step: the run crosses into epoch 1 before step 30, where it resumes
+    k = epoch_length(TokenData(data_dir).train_tokens, 16)
+    assert 16 * 20 < k < 16 * 30
+    keys = ("data.order=shuffled", "train.batch_size=8", "train.max_steps=40",
+            "train.eval_interval=10", "train.ckpt_interval=30", "train.log_interval=10",
+            "optim.decay_steps=40", "train.final_eval_tokens=0")
+    train(config(data_dir, tmp_path / "a", *keys), quiet=True)
+    train(config(data_dir, tmp_path / "b", *keys[:-1], "train.max_steps=30",
+                 "train.final_eval_tokens=0"), quiet=True)
+    train(config(data_dir, tmp_path / "b", *keys), resume=True, quiet=True)
+    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert (tmp_path / "a/ckpt-0000040/model.safetensors").read_bytes() == \
+        (tmp_path / "b/ckpt-0000040/model.safetensors").read_bytes()
+
+
+def test_two_arms_of_a_pair_with_one_seed_see_the_same_batches(data_dir, tmp_path,
+                                                               monkeypatch):
+    from qkvlab.data.loader import TokenData
+
+    seen: dict[str, list[torch.Tensor]] = {}
+    real = TokenData.train_batch
+
+    def recording(self, *args, **kwargs):
+        x, y = real(self, *args, **kwargs)
+        seen.setdefault(arm, []).append(x.clone())
+        return x, y
+
+    monkeypatch.setattr(TokenData, "train_batch", recording)
+    for arm, extra in (("baseline", ()), ("q-identity", ("model.projection=q-identity",)),
+                       ("other seed", ("train.seed=7",))):
+        train(config(data_dir, tmp_path / arm, "data.order=shuffled",
+                     "train.final_eval_tokens=0", *extra), quiet=True)
+    # the first draw is the setup's check that the data is long enough; then 8 steps x 2
+    assert len(seen["baseline"]) == 1 + 8 * 2
+    assert all(torch.equal(a, b) for a, b in zip(seen["baseline"], seen["q-identity"],
+                                                  strict=True))
+    assert not torch.equal(seen["baseline"][1], seen["other seed"][1])
 
 
 def test_signal_checkpoints_then_resume_is_exact(data_dir, tmp_path, monkeypatch):
@@ -257,3 +299,42 @@ def test_presets_command(capsys):
     for name in ("shakespeare-char", "gpt2-small-owt", "gpt2-small-owt-qidentity"):
         assert name in out
 
+
+
+def test_an_unwritable_tensorboard_folder_is_one_warning_and_training_goes_on(
+        data_dir, tmp_path, monkeypatch, capsys):
+    """The permission asked of the OS (os.access), so root, whom modes do not bind, sees it too."""
+    cfg = config(data_dir, tmp_path / "a", "train.tensorboard=true", "train.max_steps=2")
+    train(cfg, quiet=True)
+    tb = tmp_path / "a" / "tb"
+    before = sorted(p.name for p in tb.iterdir())
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, **kw: False if Path(path) == tb
+                        else real(path, mode, **kw))
+    capsys.readouterr()
+    longer = config(data_dir, tmp_path / "a", "train.tensorboard=true", "train.max_steps=4")
+    assert train(longer, resume=True, quiet=True)["steps"] == 4
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"warning: TensorBoard is off for this session: {tb} is not writable "
+                          "(permission denied)")
+    assert sorted(p.name for p in tb.iterdir()) == before  # nothing written into it
+
+
+def test_a_read_only_tensorboard_folder_for_real(data_dir, tmp_path):
+    """No monkeypatching: tb/ is chmod 555 and the resume runs as a process the mode binds."""
+    args = ["train", "shakespeare-char", "--out", str(tmp_path / "a"),
+            *[a for item in tiny_overrides(data_dir, "train.tensorboard=true",
+                                           "train.max_steps=2") for a in ("--set", item)]]
+    assert main(args) == 0
+    tb = tmp_path / "a" / "tb"
+    tb.chmod(0o555)
+    try:
+        proc = run_qkvlab_bound_by_modes(
+            ["train", str(tmp_path / "a"), "--resume", "--set", "train.max_steps=4"], tmp_path)
+    finally:
+        tb.chmod(0o755)
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr and "b'" not in proc.stderr
+    assert f"warning: TensorBoard is off for this session: {tb} is not writable" in proc.stderr
+    assert json.loads((tmp_path / "a" / "summary.json").read_text())["steps"] == 4

@@ -16,6 +16,7 @@ from qkvlab.commands import (
     archive,
     bench,
     compare,
+    coordcheck,
     hf,
     params,
     prepare,
@@ -29,8 +30,8 @@ from qkvlab.commands import (
 from qkvlab.errors import QkvlabError
 
 # in the order `qkvlab --help` lists the verbs
-COMMAND_MODULES = (prepare, train, params, compare, presets, bench, theory, hf, retrofit, sweep,
-                   report, archive)
+COMMAND_MODULES = (prepare, train, params, coordcheck, compare, presets, bench, theory, hf,
+                   retrofit, sweep, report, archive)
 # what argparse adds beside the verb's own options (see qkvlab.commands.common.register)
 _NOT_OPTIONS = ("command", "options", "run", "trains")
 

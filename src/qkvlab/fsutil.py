@@ -74,6 +74,32 @@ def write_text_atomic(path: Path, text: str) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
+def umask() -> int:
+    """The process's umask. Linux shows it in /proc; elsewhere os.umask, which can only be read
+    by setting it, is set back at once."""
+    try:
+        for line in Path("/proc/self/status").read_text(encoding="ascii").splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(path: Path) -> None:
+    """Give a file another library wrote the mode qkvlab's own files get (0666 less the umask):
+    safetensors' save_file leaves 0600, which other users of a shared folder cannot read."""
+    os.chmod(path, 0o666 & ~umask())
+
+
+def can_write(folder: Path) -> bool:
+    """This process may create files in `folder` (asked of the OS: root may where modes say
+    no, another user may not where they say yes)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
 def fsync_file(path: Path) -> None:
     """fsync a file that was written by someone else (e.g. safetensors.save_file)."""
     fd = os.open(path, os.O_RDONLY)

@@ -38,6 +38,7 @@ from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.model.variants import derive
 from qkvlab.perf import freed_memory_kept, keep_freed_memory, mfu
 from qkvlab.run.config import parse_override
+from qkvlab.run.machine import cpu_model
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,7 @@ def machine_info(s: Settings) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": str(s.device),
-        "device_name": _cpu_name(),
+        "device_name": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -280,16 +281,6 @@ def machine_info(s: Settings) -> dict[str, Any]:
         info["cuda"] = torch.version.cuda
         info["allow_tf32"] = torch.backends.cuda.matmul.allow_tf32
     return info
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _free(device: torch.device) -> None:

@@ -36,8 +36,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("sweep_dir", help="the sweep folder")
     p.add_argument("dest", help="where the copy goes (created; existing records are replaced)")
     p.add_argument("--finished", action="store_true",
-                   help="copy only the runs that reached max_steps (archive a sweep that is "
-                        "still training)")
+                   help="copy only the runs that trained all their steps (archive a sweep "
+                        "that is still training)")
     p.add_argument("--no-attention", action="store_true",
                    help="do not measure each finished run's attention from its final "
                         "checkpoint first (by default it is, so that `qkvlab report "

@@ -102,21 +102,28 @@ def _train_variants(variants: list[tuple[str, str, RunConfig]], fresh: bool, con
                     ) -> tuple[list[str], int | None]:
     """Train (or resume) each (name, description, config) in its folder, reusing finished runs
     unless `fresh`. Returns the variant names and the signal that stopped training, if one did."""
+    from qkvlab.experiments.compare import check_reusable
     from qkvlab.run.device import on_this_device, resolve_device
     from qkvlab.run.layout import SUMMARY_FILE
     from qkvlab.run.records import is_finished, read_json_record
     from qkvlab.train import train
 
+    resolved = []
+    for name, what, cfg in variants:
+        # the dtype "auto" picks here: the duration estimate times it, the start line names
+        # it, and a finished run is compared with it
+        cfg = on_this_device(cfg, resolve_device(cfg.train.device))
+        resolved.append((name, f"{what}, {cfg.train.dtype}", cfg))
+    variants = resolved
+    if not fresh:
+        check_reusable(variants)  # before any work, as a resume checks its config
     todo = []
     for name, what, cfg in variants:
-        # the dtype "auto" picks here: the duration estimate times it, the start line names it
-        cfg = on_this_device(cfg, resolve_device(cfg.train.device))
-        what = f"{what}, {cfg.train.dtype}"
         run_dir = Path(cfg.out_dir)
         if fresh and run_dir.exists():
             shutil.rmtree(run_dir)
         summary = read_json_record(run_dir / SUMMARY_FILE)
-        if is_finished(summary, cfg.train.max_steps):
+        if is_finished(summary, cfg.steps):
             console.print(f"[bold]{name}[/]: finished earlier in {run_dir}, reusing it")
         else:
             todo.append((name, what, cfg, int((summary or {}).get("steps") or 0)))
@@ -148,7 +155,7 @@ def _expected_duration(todo: list[tuple[str, str, RunConfig, int]]) -> str:
     del bench
     total = 0.0
     for _, _, c, done in todo:
-        steps = max(0, c.train.max_steps - done)
+        steps = max(0, c.steps - done)
         evals = steps // c.train.eval_interval + 1
         # an evaluation is a forward pass (~1/3 of a training step) over eval_windows windows
         eval_steps = evals * c.train.eval_windows / c.train.batch_size / 3
@@ -167,6 +174,8 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--out", help="folder for the runs, table and plot")
     p.add_argument("--steps", type=int, help="override the number of steps")
     p.add_argument("--seed", type=int)
-    p.add_argument("--fresh", action="store_true", help="retrain runs that already finished")
+    p.add_argument("--fresh", action="store_true",
+                   help="delete the variants' runs in --out and train them again (a folder "
+                        "whose runs have another config is refused without it)")
     add_overrides(p)
     register(p, CompareOptions, run_compare, trains=True)

@@ -42,8 +42,9 @@ def run_prepare(opts: PrepareOptions) -> int:
 def add_parser(sub: Subparsers) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into train/val token files")
     p.add_argument("source", nargs="?",
-                   help="shakespeare (embedded default), english (39M bytes of English prose, "
-                        "docs/data.md), a text file, a folder, a .jsonl file, "
+                   help="shakespeare (embedded default), english (39M bytes: dictionary "
+                        "entries, Wikipedia leads, the Bible; docs/data.md), a text file, a "
+                        "folder, a .jsonl file, "
                         "or a Hugging Face dataset name (hf:NAME)")
     p.add_argument("--tokenizer", help="char | bytes | gpt2 | bpe:N")
     p.add_argument("--out", help="output folder (default data/SOURCE-TOKENIZER)")

@@ -18,6 +18,7 @@ class ReportOptions:
     per_window: bool = False
     attention: bool = False
     versus: str | None = None
+    margin: float | None = None  # the equivalence margin, % of the reference loss
     overrides: list[str] = field(default_factory=list)
 
     def command_line(self, out: Path) -> str:
@@ -32,6 +33,8 @@ class ReportOptions:
             parts.append("--attention")
         if self.versus:
             parts += ["--versus", self.versus]
+        if self.margin is not None:
+            parts += ["--margin", f"{self.margin:g}"]
         for item in self.overrides:
             parts += ["--set", item]
         return " ".join(shlex.quote(p) for p in parts)
@@ -39,17 +42,23 @@ class ReportOptions:
 
 def run_report(opts: ReportOptions) -> int:
     """Write the report and print each variant's verdict against the reference."""
+    from qkvlab.errors import QkvlabError
     from qkvlab.experiments.render import verdicts
     from qkvlab.experiments.report import build_report, write_report
+    from qkvlab.experiments.results import DEFAULT_MARGIN_PCT
     from qkvlab.experiments.spec import load_spec
 
+    margin = DEFAULT_MARGIN_PCT if opts.margin is None else opts.margin
+    if not 0 < margin < 100:  # also refuses nan
+        raise QkvlabError(f"--margin must be a percentage between 0 and 100, got {margin:g}: "
+                          f"pass e.g. --margin {DEFAULT_MARGIN_PCT:g}")
     spec = load_spec(opts.spec_or_dir)
     sweep_dir = Path(opts.runs) if opts.runs else spec.default_out
     out = Path(opts.out) if opts.out else sweep_dir / "report"
     check_output_folder(out, "--out")  # before the report's work (it may load checkpoints)
     rep = build_report(spec, sweep_dir, per_window=opts.per_window,
                        overrides=list(opts.overrides), versus=opts.versus,
-                       attention=opts.attention)
+                       attention=opts.attention, margin_pct=margin)
     path = write_report(rep, out, portable_command(opts.command_line(out)))
     for line in verdicts(rep):
         print(line)
@@ -72,5 +81,9 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--versus", metavar="VARIANT",
                    help="pair every variant against this one instead of the spec's baseline "
                         "(e.g. nonlinear-q vs a wider-MLP control)")
+    p.add_argument("--margin", type=float, metavar="PCT",
+                   help="equivalence margin in %% of the reference's loss: two arms are called "
+                        "level only where the equivalence test (TOST) puts their paired "
+                        "difference within +-PCT (default 0.5)")
     add_overrides(p)
     register(p, ReportOptions, run_report)

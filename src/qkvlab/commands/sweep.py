@@ -151,9 +151,10 @@ def _resolve(opts: SweepOptions) -> _Sweep:
     from qkvlab.experiments import sweep as lib
     from qkvlab.experiments.spec import load_spec
 
-    spec = load_spec(opts.spec)
+    # the folder's copy of the spec records the overrides: report and resume need none
+    spec = load_spec(opts.spec).with_overrides(list(opts.overrides))
     out = Path(opts.out) if opts.out else spec.default_out
-    groups = spec.groups(list(opts.overrides))
+    groups = spec.groups()
     runs = spec.runs(out, seeds=_parse_seeds(opts.seeds), only=_parse_only(opts.only),
                      groups=groups)
     # with --print-commands stdout carries only the commands

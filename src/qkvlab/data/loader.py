@@ -106,12 +106,50 @@ def _meta_problem(meta: dict[str, Any]) -> str | None:
     eot = meta.get("eot_token")
     if eot is not None and (not _is_int(eot) or not 0 <= eot < vocab):
         return f"eot_token {eot!r} is not a token id below vocab_size"
+    problem = _spans_problem(meta.get("source_spans"), meta)
+    if problem:
+        return problem
     names = meta.get("tokenizer_files", [])
     if not isinstance(names, list) or not all(
             isinstance(n, str) and n and n == Path(n).name and n not in (".", "..")
             and "\\" not in n and "\0" not in n for n in names):
         return f"tokenizer_files {names!r} is not a list of plain file names"
     return None
+
+
+def _spans_problem(spans: Any, meta: dict[str, Any]) -> str | None:
+    """What is wrong with meta.json's source_spans (prepare's record of which tokens of a split
+    come from which part of the corpus), or None; a folder without them is fine."""
+    if spans is None:
+        return None
+    if not isinstance(spans, dict) or not set(spans) <= {"train", "val"}:
+        return f"source_spans {spans!r} is not a table of train and val spans"
+    for split, rows in spans.items():
+        end = 0
+        for row in rows if isinstance(rows, list) else [None]:
+            if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                    and row[0] and _is_int(row[1]) and _is_int(row[2])
+                    and end <= row[1] < row[2] <= meta[f"{split}_tokens"]):
+                return (f"source_spans of {split} holds {row!r}, not [part, first, end] in "
+                        "order inside the split")
+            end = row[2]
+    return None
+
+
+def spread_starts(n_tokens: int, block_size: int, tokens: int) -> np.ndarray:
+    """Start offsets of the windows that score `tokens` targets (the whole split when it holds
+    fewer) spread evenly over a split of n_tokens: the first at 0, the last at the end, no two
+    sharing a target (each window holds block_size + 1 tokens, x and its shifted y)."""
+    if tokens < 1 or block_size < 1 or n_tokens < block_size + 1:
+        raise ValueError(f"need tokens >= 1 and n_tokens > block_size >= 1, got {tokens=}, "
+                         f"{n_tokens=}, {block_size=}")
+    count = min(-(-tokens // block_size), (n_tokens - 1) // block_size)
+    if count == 1:
+        return np.zeros(1, dtype=np.int64)
+    last = n_tokens - block_size - 1
+    # integer arithmetic (the same starts everywhere); count * block <= n - 1 keeps the gaps
+    # between starts at least block_size
+    return np.arange(count, dtype=np.int64) * last // (count - 1)
 
 
 class TokenData:
@@ -268,6 +306,19 @@ class TokenData:
         """
         starts = self.val_window_starts(num_windows, block_size)
         return _windows(self.val, starts, block_size)
+
+    def val_windows_at(self, starts: np.ndarray, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The val windows (x, y) that start at `starts`."""
+        self._need("val", len(self.val), block_size)
+        return _windows(self.val, starts, block_size)
+
+    def source_spans(self, split: str) -> list[tuple[str, int, int]] | None:
+        """Which tokens of `split` come from which part of the corpus, as (part, first, end) in
+        order; None for a folder that does not record it (a source without parts, or one
+        prepared before prepare recorded them)."""
+        rows = (self.meta.get("source_spans") or {}).get(split)
+        return None if rows is None else [(str(n), int(a), int(b)) for n, a, b in rows]
 
     def __repr__(self) -> str:
         return (

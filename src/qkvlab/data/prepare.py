@@ -19,7 +19,7 @@ import numpy as np
 from qkvlab.data.corpus import (
     hf_fingerprint,
     load_hf_dataset,
-    read_source,
+    read_source_parts,
     source_kind,
     source_name,
 )
@@ -40,6 +40,10 @@ DEFAULT_VAL_FRACTION = 0.1
 HF_VAL_FRACTION = 0.0005  # nanoGPT's OpenWebText val share; 10% of a web corpus is wasteful
 ENCODE_BATCH_DOCS = 1024
 MAX_SHARDS = 1024
+# meta.json's record of which tokens of each split come from which part of a named corpus:
+# {"train": [[part, first, end], ...], "val": [...]}, token offsets into train.bin / val.bin.
+# Folders prepared before it was recorded lack it (and get it when prepared again).
+SOURCE_SPANS = "source_spans"
 # Settings that must match for an existing prepared dir to be reused as it is.
 _SETTINGS = ("format", "tokenizer", "source_sha256", "val_fraction", "split_seed")
 
@@ -122,29 +126,68 @@ def _eot_note(tok: Tokenizer) -> str:
     return f"; eot id {tok.eot_token} after each document" if tok.eot_token is not None else ""
 
 
+Spans = list[list[Any]]  # [[part name, first token, end token], ...] of one split, in order
+
+
+def _encode_parts(tok: Tokenizer, docs: Sequence[str], labels: np.ndarray, names: list[str],
+                  add_eot: bool) -> tuple[np.ndarray, Spans]:
+    """The tokens of `docs` (each labelled with its part's index into `names`, the labels in
+    corpus order) and the span of each part in them."""
+    arrays: list[np.ndarray] = []
+    spans: Spans = []
+    pos = 0
+    edges = np.flatnonzero(np.diff(labels)) + 1
+    for lo, hi in zip([0, *edges.tolist()], [*edges.tolist(), len(docs)], strict=True):
+        if hi <= lo:
+            continue
+        ids = _encode_docs(tok, docs[lo:hi], add_eot)  # per document, so the same tokens
+        arrays.append(ids)
+        if len(ids):
+            spans.append([names[int(labels[lo])], pos, pos + len(ids)])
+        pos += len(ids)
+    return (np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)), spans
+
+
+def _clip(spans: Spans, lo: int, hi: int) -> Spans:
+    """The parts of `spans` inside [lo, hi), counted from lo."""
+    return [[name, max(a, lo) - lo, min(b, hi) - lo] for name, a, b in spans
+            if min(b, hi) > max(a, lo)]
+
+
 def _split_local(
-    tok: Tokenizer, docs: list[str], val_fraction: float
-) -> tuple[np.ndarray, np.ndarray, str]:
-    """Token arrays for train and val, and a description of the split."""
+    tok: Tokenizer, docs: list[str], val_fraction: float,
+    parts: Sequence[tuple[str, int]] = (),
+) -> tuple[np.ndarray, np.ndarray, str, dict[str, Spans] | None]:
+    """Token arrays for train and val, a description of the split and, for a source made of
+    named parts, which tokens of each split come from which part."""
     add_eot = tok.eot_token is not None and len(docs) > 1
     pct = f"{val_fraction:.4g}"
+    names = [name for name, _ in parts] or [""]
+    labels = np.repeat(np.arange(len(parts)), [n for _, n in parts]) if parts \
+        else np.zeros(len(docs), dtype=np.int64)
+    if len(labels) != len(docs):
+        raise ValueError(f"the parts count {len(labels)} documents, the source has {len(docs)}")
     split = split_documents(len(docs), val_fraction)
     if split is not None:
         train_idx, val_idx = split
-        train = _encode_docs(tok, [docs[i] for i in train_idx], add_eot)
-        val = _encode_docs(tok, [docs[i] for i in val_idx], add_eot)
+        train, train_spans = _encode_parts(tok, [docs[i] for i in train_idx], labels[train_idx],
+                                           names, add_eot)
+        val, val_spans = _encode_parts(tok, [docs[i] for i in val_idx], labels[val_idx], names,
+                                       add_eot)
         desc = (
             f"documents: {len(val_idx)} of {len(docs)} documents (round({pct} * n), chosen with "
             f"numpy default_rng({SPLIT_SEED}).permutation) are val, the rest train, each in "
             f"corpus order{_eot_note(tok) if add_eot else ''}"
         )
-        return train, val, desc
-    ids = _encode_docs(tok, docs, add_eot)
-    n_train = int(len(ids) * (1 - val_fraction))
-    desc = f"stream: the first {n_train} tokens are train, the last {pct} of the stream val"
-    if len(docs) > 1:
-        desc += f" ({len(docs)} documents concatenated{_eot_note(tok) if add_eot else ''})"
-    return ids[:n_train], ids[n_train:], desc
+    else:
+        ids, spans = _encode_parts(tok, docs, labels, names, add_eot)
+        n_train = int(len(ids) * (1 - val_fraction))
+        desc = f"stream: the first {n_train} tokens are train, the last {pct} of the stream val"
+        if len(docs) > 1:
+            desc += f" ({len(docs)} documents concatenated{_eot_note(tok) if add_eot else ''})"
+        train, val = ids[:n_train], ids[n_train:]
+        train_spans, val_spans = _clip(spans, 0, n_train), _clip(spans, n_train, len(ids))
+    return train, val, desc, ({"train": train_spans, "val": val_spans} if parts else None)
 
 
 def _check_val_fraction(val_fraction: float) -> None:
@@ -256,14 +299,16 @@ def prepare(
             source, tokenizer, out_dir, val_fraction, num_proc, overwrite, text_field, say
         )
 
-    docs, digest = read_source(source, text_field=text_field)
+    docs, digest, parts = read_source_parts(source, text_field=text_field)
     settings = _settings(tokenizer, digest, val_fraction)
     old = _reuse_or_clear(out_dir, settings, overwrite, say)
     if old is not None:
+        if parts and SOURCE_SPANS not in old:
+            return _add_source_spans(out_dir, old, docs, val_fraction, parts, say)
         return old
 
     tok = build_tokenizer(tokenizer, docs)
-    train, val, split_desc = _split_local(tok, docs, val_fraction)
+    train, val, split_desc, spans = _split_local(tok, docs, val_fraction, parts)
     if len(train) == 0 or len(val) == 0:
         raise QkvlabError(
             f"source {source} is too small to split ({len(train) + len(val)} tokens): "
@@ -274,7 +319,29 @@ def prepare(
     write_tokens(out_dir / "train.bin", [train], len(train), dtype)
     write_tokens(out_dir / "val.bin", [val], len(val), dtype)
     meta = _meta(settings, tok, dtype, len(train), len(val), split_desc, source, kind, len(docs))
+    if spans is not None:
+        meta[SOURCE_SPANS] = spans
     return _finish(out_dir, tok, meta)
+
+
+def _add_source_spans(out_dir: Path, meta: dict[str, Any], docs: list[str], val_fraction: float,
+                      parts: Sequence[tuple[str, int]], say: Callable[[str], None]
+                      ) -> dict[str, Any]:
+    """A folder prepared before folders recorded their source spans, given them in its
+    meta.json: the tokens are split again and must equal its files, which stay as they are."""
+    tok = load_tokenizer(out_dir, meta)
+    train, val, _desc, spans = _split_local(tok, docs, val_fraction, parts)
+    dtype = np.dtype(meta["dtype"]).newbyteorder("<")
+    same = all(np.array_equal(np.fromfile(out_dir / f"{name}.bin", dtype=dtype), ids)
+               for name, ids in (("train", train), ("val", val)))
+    if not same:
+        say(f"{out_dir} holds other tokens than this qkvlab makes of the source: its meta.json "
+            "records no source spans (prepare it again with --force for a per-source val loss)")
+        return meta
+    meta = {**meta, SOURCE_SPANS: spans}
+    write_bytes_atomic(out_dir / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
+    say(f"{out_dir}: recorded in meta.json which tokens come from which part of the source")
+    return meta
 
 
 def _meta(

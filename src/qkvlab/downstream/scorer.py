@@ -102,7 +102,7 @@ def _score_batch(model: torch.nn.Module, windows: list[Pair], device: torch.devi
     with autocast(device, dtype):
         h = model.hidden_states(x.to(device))
         # the head only where a target is: V-wide logits at every position are the big tensor
-        logits = model.lm_head(h[torch.tensor(rows, device=h.device),
+        logits = model.head(h[torch.tensor(rows, device=h.device),
                                  torch.tensor(cols, device=h.device)])
     logp = torch.log_softmax(logits.float(), dim=-1)
     t = torch.tensor(targets, device=logp.device)

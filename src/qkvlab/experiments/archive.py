@@ -54,7 +54,7 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
     kept = list(finished) if finished_only else runs
     if attention:  # before any copy, so a run whose data is gone stops the archive unwritten
         for run, cfg in finished.items():
-            attention_record(run, cfg.train.max_steps, cfg)
+            attention_record(run, cfg.steps, cfg)
     copies = [(src / name, dest / name) for name in SWEEP_RECORDS if (src / name).is_file()
               and not (older and name == SPEC_FILE)]
     copies += [(run / name, dest / run.relative_to(src) / name)
@@ -170,4 +170,4 @@ def _check_destination(src: Path, dest: Path) -> None:
 def _finished_config(run: Path) -> RunConfig | None:
     """The run's config if its summary says it reached the config's max_steps, else None."""
     cfg = load_config(run / CONFIG_FILE)
-    return cfg if is_finished(read_json_record(run / SUMMARY_FILE), cfg.train.max_steps) else None
+    return cfg if is_finished(read_json_record(run / SUMMARY_FILE), cfg.steps) else None

@@ -20,9 +20,16 @@ from qkvlab.experiments.rules import apply_rule, check_user_keys, user_keys
 from qkvlab.experiments.stats import median_tokens_per_s
 from qkvlab.model.params import count_params
 from qkvlab.model.variants import COMPARE_RULES, rule_named
-from qkvlab.run.config import RunConfig, load_config
-from qkvlab.run.layout import CONFIG_FILE
+from qkvlab.run.config import (
+    RESUME_HARMLESS,
+    REUSE_HARMLESS,
+    RunConfig,
+    config_diff,
+    load_config,
+)
+from qkvlab.run.layout import CONFIG_FILE, SUMMARY_FILE, list_checkpoints
 from qkvlab.run.metrics import read_metrics
+from qkvlab.run.records import is_finished, read_json_record
 
 PRESETS = {"quick": "compare-quick", "long": "compare-long"}
 
@@ -44,6 +51,37 @@ def variant_configs(base: RunConfig, overrides: list[str], out: Path
                 f"({cfg.model.attn_scale}), weight decay {cfg.optim.weight_decay:g}")
         variants.append((rule, what, cfg))
     return variants
+
+
+def reuse_problem(cfg: RunConfig) -> str | None:
+    """Why the folder of `cfg` (a variant's run) cannot serve a command asking for `cfg`, or
+    None: a finished run is reused only when it was trained with `cfg` (bar REUSE_HARMLESS:
+    names, paths, logging), an interrupted one is resumed only with its trajectory (what
+    `qkvlab train --resume` checks), and a folder without either is trained afresh."""
+    run_dir = Path(cfg.out_dir)
+    finished = is_finished(read_json_record(run_dir / SUMMARY_FILE), cfg.steps)
+    if not finished and not list_checkpoints(run_dir):
+        return None
+    try:
+        saved = load_config(run_dir / CONFIG_FILE)
+    except QkvlabError as exc:
+        return f"{run_dir} holds a run whose config qkvlab cannot read ({exc})"
+    diffs = config_diff(saved, cfg, REUSE_HARMLESS if finished else RESUME_HARMLESS)
+    if not diffs:
+        return None
+    what = "finished" if finished else "holds a run to resume, trained"
+    return (f"{run_dir} {what} with another config than this command asks for, at "
+            f"{'; '.join(diffs[:4])}")
+
+
+def check_reusable(variants: list[tuple[str, str, RunConfig]]) -> None:
+    """Refuse, before any work, a comparison whose folder holds runs of another config: their
+    losses are no answer to this command."""
+    problems = [p for p in (reuse_problem(cfg) for _, _, cfg in variants) if p]
+    if problems:
+        more = f" (and {len(problems) - 1} more variant(s))" if len(problems) > 1 else ""
+        raise QkvlabError(f"{problems[0]}{more}: choose a new --out, or pass --fresh to "
+                          "retrain every variant there")
 
 
 def val_curve(records: list[dict]) -> tuple[list[int], list[float]]:
@@ -99,12 +137,12 @@ SPEED_NOTE = ("Speed: the runs were timed one after another; compare their speed
 
 def render_table(rows: list[dict]) -> Table:
     table = Table(title="qkvlab compare: validation loss on the same fixed windows")
-    for col in ("variant", "non-emb params", "total params", "wd", "scale (alpha)",
+    for col in ("variant", "non-emb params", "total params", "wd", "scale (alpha)", "steps",
                 "final val loss", "delta vs baseline"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in rows:
         table.add_row(r["variant"], f"{r['non_embedding']:,}", f"{r['total']:,}",
-                      f"{r['weight_decay']:.4g}", _scale_cell(r),
+                      f"{r['weight_decay']:.4g}", _scale_cell(r), f"{r['steps']:,}",
                       f"{r['final_val_loss']:.4f}",
                       f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%)")
     table.caption = SPEED_NOTE
@@ -113,12 +151,12 @@ def render_table(rows: list[dict]) -> Table:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| variant | non-embedding params | total params | weight decay | attn scale "
-             "(alpha = scale x sqrt(d_k)) | final val loss | delta vs baseline |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "(alpha = scale x sqrt(d_k)) | steps | final val loss | delta vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['variant']} | {r['non_embedding']:,} | {r['total']:,} | "
-            f"{r['weight_decay']:.4g} | {_scale_cell(r)} | "
+            f"{r['weight_decay']:.4g} | {_scale_cell(r)} | {r['steps']:,} | "
             f"{r['final_val_loss']:.4f} | "
             f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%) |")
     return "\n".join([*lines, "", SPEED_NOTE])

@@ -187,7 +187,7 @@ def _ended(summary: dict[str, Any] | None) -> _Outcome:
 def _stopped(run: Run, signum: int) -> _Outcome:
     """A run a signal stopped, unless the signal came as it finished."""
     summary = read_json_record(run.run_dir / SUMMARY_FILE)
-    if is_finished(summary, run.config.train.max_steps):
+    if is_finished(summary, run.config.steps):
         return _ended(summary)
     return _Outcome("stopped", signum=signum)
 

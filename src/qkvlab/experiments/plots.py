@@ -1,64 +1,98 @@
-"""The report's figures: validation curves, the paired relative difference, and final loss
-against a weight-decay or learning-rate grid. Written with matplotlib's Agg backend (no display)."""
+"""The report's figures of groups and gaps: validation curves, the paired gap over training,
+final loss against a weight-decay or lr grid, the gap against width or lr, and the headline's
+comparisons with their intervals. Each panel holds at most MAX_SERIES labelled series, with its
+legend beside it (qkvlab.experiments.plot_layout); the scale scan's figures are in
+qkvlab.experiments.plots_scan."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
+from qkvlab.experiments.headline import Comparison, Headline
+from qkvlab.experiments.plot_layout import (
+    MAX_SERIES,
+    chunks,
+    facets,
+    legend_beside,
+    log2_axis,
+    margin_band,
+    nudges,
+    pyplot,
+    save,
+    suptitle,
+    variant_colors,
+    variant_looks,
+)
 from qkvlab.experiments.results import (
+    TREND_AXES,
     GroupResult,
     Report,
     SettingGap,
     TrendAxis,
+    best_group,
     grid_gaps,
     mean_band,
     rel_curves,
+    trend_settings,
 )
-from qkvlab.experiments.scale_scan import ScanCell, alpha_trends
+
+__all__ = ["variant_colors", "plot_curves", "plot_rel", "plot_grid", "plot_gaps",
+           "plot_headline"]
+
+LOSS = "validation loss (nats/token)"
 
 
-def _pyplot():
-    # matplotlib takes ~0.7 s to import (measured): only a report that plots pays for it
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def _finished(g: GroupResult) -> bool:
+    return any(r.status == "done" for r in g.runs)
 
 
-def variant_colors(names: list[str]) -> dict[str, str]:
-    """One colour per variant, by its place in the full list, so a variant keeps its colour in
-    every panel and plot (a panel that leaves the baseline out does not shift the others)."""
-    palette = [f"C{i}" for i in range(10)]  # matplotlib's default cycle
-    return {name: palette[i % len(palette)] for i, name in enumerate(names)}
+def _setting(s: tuple[float, ...]) -> str:
+    return ", ".join(f"{'d =' if a.name == 'width' else a.name} {v:g}"
+                     for a, v in zip(TREND_AXES, s, strict=True))
 
 
-_STYLES = ["-", "--", ":", "-."]
-_LEGEND_INSIDE = 8  # entries a legend may hold inside the axes before it hides the lines
-_LEGEND_ROWS = 24  # entries per column of a legend beside the axes
+def group_panels(groups: list[GroupResult], first: GroupResult | None = None,
+                 room: int = MAX_SERIES) -> tuple[list[tuple[str, list[GroupResult]]], bool]:
+    """The groups in panels of at most `room` series, `first` (the reference) leading each. Up to
+    three panels' worth: every group, in order. More (a scan of dozens of groups): one panel per
+    width and lr, with each family's best group there (lowest mean final loss); the report's
+    tables hold every group. Returns the (title, groups) panels and whether they were reduced
+    to each family's best."""
+    rest = [g for g in groups if g is not first]
+    per = room - (first is not None)
+    lead = [first] if first is not None else []
+    if len(rest) <= 3 * per:
+        parts = chunks(rest, per) or [[]]
+        return [(f"{i + 1} of {len(parts)}" if len(parts) > 1 else "", lead + p)
+                for i, p in enumerate(parts)], False
+    by: dict[tuple[float, ...], dict[str, list[GroupResult]]] = {}
+    for g in groups:
+        by.setdefault(trend_settings(g), {}).setdefault(g.group.family, []).append(g)
+    panels = []
+    for s, fams in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        best = [best_group(gs) for gs in fams.values()]
+        parts = chunks(best, room)
+        for i, p in enumerate(parts):
+            part = f" ({i + 1} of {len(parts)})" if len(parts) > 1 else ""
+            panels.append((f"{_setting(s)}{part}", p))
+    return panels, True
 
 
-def variant_looks(names: list[str]) -> dict[str, dict[str, str]]:
-    """Colour and line style per variant: past ten variants the colours repeat, so each round
-    of the palette takes the next line style and no two variants look alike."""
-    colors = variant_colors(names)
-    return {name: {"color": colors[name], "ls": _STYLES[i // 10 % len(_STYLES)]}
-            for i, name in enumerate(names)}
+def family_colors(rep: Report) -> dict[str, str]:
+    """One colour per family of the report, the same in each of its figures."""
+    return variant_colors(list(dict.fromkeys(g.group.family for g in rep.groups)))
 
 
-def _legend(fig, ax, inside: int = _LEGEND_INSIDE) -> None:
-    """Inside the axes when it has at most `inside` entries; beside them otherwise, in columns,
-    with the figure widened to hold them, where it cannot cover the lines."""
-    entries = len(ax.get_legend_handles_labels()[1])
-    if entries <= inside:
-        ax.legend(fontsize=8)
-        return
-    cols = -(-entries // _LEGEND_ROWS)
-    width, height = fig.get_size_inches()
-    fig.set_size_inches(width + 3.3 * cols, max(height, 0.16 * min(entries, _LEGEND_ROWS) + 1))
-    ax.legend(fontsize=7, ncol=cols, loc="upper left", bbox_to_anchor=(1.01, 1))
+def _looks(rep: Report, reduced: bool) -> Callable[[GroupResult], dict[str, str]]:
+    """A series' colour and line style: by family where panels hold each family's best (the
+    same family keeps its colour in every panel), else by group."""
+    if reduced:
+        colors = family_colors(rep)
+        return lambda g: {"color": colors[g.group.family], "ls": "-"}
+    looks = variant_looks([g.group.name for g in rep.groups])
+    return lambda g: looks[g.group.name]
 
 
 def _band(ax, steps: list[int], mean: list[float], std: list[float], color) -> None:
@@ -67,275 +101,252 @@ def _band(ax, steps: list[int], mean: list[float], std: list[float], color) -> N
                     [m + s for m, s in zip(mean, std, strict=True)], color=color, alpha=0.2, lw=0)
 
 
-def _save(plt, fig, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 def plot_curves(rep: Report, path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    looks = variant_looks([g.group.name for g in rep.groups])
-    top = None
-    for g in rep.groups:
-        curves = [r.curve for r in g.runs if r.status == "done"]
-        steps, mean, std = mean_band(curves)
-        if not steps:
-            continue
-        look = looks[g.group.name]
-        ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
-                lw=2.0 if g.group.baseline else 1.3, **look)
-        if len(curves) > 1:
-            _band(ax, steps, mean, std, look["color"])
-        # zoom past the first evals: the interesting part is where curves are close
-        later = mean[len(mean) // 5:] or mean
-        top = max(top or -math.inf, max(later))
-    ax.set(xlabel="step", ylabel="validation loss",
-           title=f"{rep.spec.name}: validation loss (mean, band = +-1 std over seeds)")
-    if top is not None and math.isfinite(top):
-        ax.set_ylim(top=top)
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    _save(plt, fig, path)
+    """Validation loss over training, mean over seeds with a +-1 std band."""
+    plt = pyplot()
+    groups = [g for g in rep.groups if _finished(g)]
+    panels, reduced = group_panels(groups, None if len(groups) > 3 * MAX_SERIES
+                                   else rep.baseline if _finished(rep.baseline) else None)
+    look = _looks(rep, reduced)
+    fig, axes = facets(plt, len(panels))
+    for ax, (title, gs) in zip(axes, panels, strict=True):
+        top, bottom = None, None
+        for g in gs:
+            curves = [r.curve for r in g.runs if r.status == "done"]
+            steps, mean, std = mean_band(curves)
+            if not steps:
+                continue
+            lk = look(g)
+            ax.plot(steps, mean, label=f"{g.group.name} (n={len(curves)})",
+                    lw=2.0 if g is rep.baseline else 1.3, **lk)
+            if len(curves) > 1:
+                _band(ax, steps, mean, std, lk["color"])
+            # zoom past the first evals: the interesting part is where curves are close
+            later = mean[len(mean) // 5:] or mean
+            top = max(top or -math.inf, max(later))
+            bottom = min(bottom or math.inf, min(m - s for m, s in zip(mean, std, strict=True)))
+        if top is not None and bottom is not None and math.isfinite(top - bottom):
+            pad = 0.05 * (top - bottom) or 0.01
+            ax.set_ylim(bottom - pad, top)
+        ax.set(xlabel="step", ylabel=LOSS, title=title)
+        ax.grid(alpha=0.3)
+        legend_beside(ax)
+    what = "each family's best group per width and lr" if reduced else "every group"
+    suptitle(fig, f"{rep.spec.name}: validation loss over training, {what} "
+                 "(mean over seeds; band: ±1 std)")
+    save(plt, fig, path)
 
 
 def plot_rel(rep: Report, path: Path) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    looks = variant_looks([g.group.name for g in rep.groups])
-    for g in rep.groups:
-        if g is rep.baseline:
-            continue
-        steps, mean, std, n = rel_curves(rep, g)
-        if not steps:
-            continue
-        look = looks[g.group.name]
-        ax.plot(steps, mean, label=f"{g.group.name} (n={n})", **look)
-        if n > 1:
-            _band(ax, steps, mean, std, look["color"])
-    ax.axhline(0, color="gray", lw=0.8)
+    """Each group's paired gap to the reference over training, in % of its loss."""
+    plt = pyplot()
     ref = rep.baseline.group.name
-    ax.set(xlabel="step", ylabel=f"% vs {ref} (same seed)",
-           title=f"relative validation-loss difference vs {ref} (below 0: better)")
-    ax.grid(alpha=0.3)
-    _legend(fig, ax)
-    _save(plt, fig, path)
+    curves = {g.group.name: rel_curves(rep, g) for g in rep.groups if g is not rep.baseline}
+    groups = [g for g in rep.groups if curves.get(g.group.name, ([],))[0]]
+    panels, reduced = group_panels(groups, room=MAX_SERIES - 1)  # and the margin's band
+    look = _looks(rep, reduced)
+    fig, axes = facets(plt, len(panels))
+    for ax, (title, gs) in zip(axes, panels, strict=True):
+        for g in gs:
+            steps, mean, std, n = curves[g.group.name]
+            lk = look(g)
+            ax.plot(steps, mean, label=f"{g.group.name} (n={n})", **lk)
+            if n > 1:
+                _band(ax, steps, mean, std, lk["color"])
+        margin_band(ax, rep.margin_pct)
+        ax.set(xlabel="step", ylabel="gap to the reference (% of its val loss)", title=title)
+        ax.grid(alpha=0.3)
+        legend_beside(ax)
+    suptitle(fig, f"{rep.spec.name}: validation-loss gap to {ref} over training, paired by seed "
+                 "(mean; band: ±1 std; below 0: better)")
+    save(plt, fig, path)
+
+
+def _gap_xy(gaps: list[SettingGap], x: Callable[[SettingGap], float], best: bool = False
+            ) -> tuple[list[float], list[float], list[list[float]]]:
+    """x, the gap in % at the end (or at each run's best validation loss) and its 95% interval
+    as error bar lengths below and above (0 for one seed)."""
+    rs = [(x(w), w.best if best else w.result) for w in gaps]
+    rs = [(v, r) for v, r in rs if r.rel_pct is not None]
+    lo = [r.rel_pct - r.rel_ci[0] if r.rel_ci[0] is not None else 0.0 for _, r in rs]
+    hi = [r.rel_ci[1] - r.rel_pct if r.rel_ci[1] is not None else 0.0 for _, r in rs]
+    return [v for v, _ in rs], [r.rel_pct for _, r in rs], [lo, hi]
+
+
+def plot_gaps(panels: list[tuple[str, list[SettingGap]]], axis: TrendAxis, ref: str,
+              title: str, path: Path, margin_pct: float | None, best: bool = True,
+              colors: dict[str, str] | None = None) -> None:
+    """The paired gap to `ref` at the same setting (% of its final loss, mean and 95% interval
+    over seeds) against the setting (width or lr), one line per family, one panel per `panels`
+    entry (the other setting held); with `best`, hollow markers give the gap at each run's
+    lowest validation loss. Families and their markers stand side by side at each setting."""
+    plt = pyplot()
+    split = [(f"{t} ({i + 1} of {len(ps)})" if len(ps) > 1 else t, fams, gaps)
+             for t, gaps in panels
+             for ps in [chunks(_families(gaps), MAX_SERIES - 1)] for i, fams in enumerate(ps)]
+    colors = colors or variant_colors(_families([w for _, gaps in panels for w in gaps]))
+    fig, axes = facets(plt, len(split), sharey=True)
+    for ax, (sub, fams, gaps) in zip(axes, split, strict=True):
+        shifts = nudges(len(fams) * (2 if best else 1))
+        values = sorted({w.value for w in gaps if w.family in fams})
+        for i, fam in enumerate(fams):
+            mine = sorted((w for w in gaps if w.family == fam), key=lambda w: w.value)
+            k = 2 * i if best else i
+            xs, ys, err = _gap_xy(mine, lambda w, s=shifts[k]: w.value * s)
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, color=colors[fam], label=fam)
+            if best:
+                xs, ys, err = _gap_xy(mine, lambda w, s=shifts[k + 1]: w.value * s, best=True)
+                ax.errorbar(xs, ys, yerr=err, marker="o", mfc="none", ls="none", capsize=2,
+                            color=colors[fam], alpha=0.7)
+        margin_band(ax, margin_pct)
+        if values:
+            log2_axis(ax, values, axis.label, fmt="g")
+        ax.set(ylabel=f"gap to {ref} (% of its final val loss)", title=sub)
+        legend_beside(ax)
+    suptitle(fig, title + ("\n(filled: final; hollow: at each run's best val loss; bars: 95% "
+                          "interval over seeds)" if best else
+                          "\n(bars: 95% interval over seeds; one seed: no bar)"))
+    save(plt, fig, path)
+
+
+def _families(gaps: list[SettingGap]) -> list[str]:
+    return list(dict.fromkeys(w.family for w in gaps))
+
+
+def trend_gap_panels(rep: Report, axis: TrendAxis) -> list[tuple[str, list[SettingGap]]]:
+    """The trend gaps along `axis`, one panel per value of the other trend axis."""
+    other = next(a for a in TREND_AXES if a is not axis)
+    at = TREND_AXES.index(other)
+    groups = {g.group.name: g for g in rep.groups}
+    by: dict[float, list[SettingGap]] = {}
+    for w in rep.trend_gaps[axis.name]:
+        by.setdefault(trend_settings(groups[w.group])[at], []).append(w)
+    name = "d =" if other.name == "width" else other.name
+    return [(f"{name} {v:g}" if len(by) > 1 else "", ws) for v, ws in sorted(by.items())]
 
 
 def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: Path) -> None:
-    """Left: final loss (mean +- std over seeds) vs optim.<key> per row (family and width).
-    Right, on a tuned axis (the lr): each row's gap to the reference family's row at the same
-    value (%, paired by seed, 95% interval), i.e. the gap with both arms at that lr; on another
-    axis (the weight decay): the paired difference to the one reference, which removes the seed
-    spread that all groups share."""
-    plt = _pyplot()
-    fig, (ax, ax_d) = plt.subplots(1, 2, figsize=(11.5, 4.5))
-    colors = variant_colors(list(fams))
-    gaps = grid_gaps(rep, key, fams)
-    for i, (fam, gs) in enumerate(fams.items()):
-        pts = sorted(gs, key=lambda g: getattr(g.group.config.optim, key))
-        ok = [g for g in pts if g.loss.mean is not None]
-        xs = [getattr(g.group.config.optim, key) for g in ok]
-        color = colors[fam]
-        ax.errorbar(xs, [g.loss.mean for g in ok], yerr=[g.loss.std or 0.0 for g in ok],
-                    marker="o", capsize=3, label=fam, color=color)
-        if gaps is None:
-            _errorbars(ax_d, *_paired_points(rep, ok, key), color=color, label=fam)
-        elif gaps.get(fam):
-            _errorbars(ax_d, *_gap_points(gaps[fam], 1.015 ** i), color=color, label=fam)
-        bad = [getattr(g.group.config.optim, key) for g in pts
-               if any(r.status == "failed" for r in g.runs)]
-        if bad and ok:
-            ax.plot(bad, [max(g.loss.mean for g in ok)] * len(bad), "x", color="red", ms=9,
-                    label=f"{fam}: failed/diverged run(s)")
-    values = sorted({getattr(g.group.config.optim, key) for gs in fams.values() for g in gs})
-    for a in (ax, ax_d):
-        if key == "weight_decay":
-            a.set_xscale("symlog", linthresh=1e-3)
-        else:
-            a.set_xscale("log")
-            a.set_xticks(values, [f"{v:g}" for v in values])  # the values run, not decades
-            a.minorticks_off()
-        a.grid(alpha=0.3, which="both")
-        if a.get_legend_handles_labels()[0]:  # the paired panel is empty without the baseline
-            a.legend(fontsize=8)
-    ax.set(xlabel=key, ylabel="final validation loss", title=f"final loss vs {key} "
-           "(mean +- std over seeds)")
-    ax_d.axhline(0, color="gray", lw=0.8)
+    """Top: final loss (mean +- std over seeds) against optim.<key>, one line per family, one
+    column per setting of the other trend axes (the width, say). Bottom: each family's paired
+    gap in % of the reference's loss (95% interval): on a tuned axis (the lr) to the reference
+    family at the same value, each the best of its value; on another (the weight decay) to the
+    one reference. Lines at one value stand side by side."""
+    plt = pyplot()
     ref = rep.baseline.group
-    if gaps is None:
-        ax_d.set(xlabel=key, ylabel=f"loss - {ref.name} (same seed)",
-                 title=f"paired difference vs {ref.name} (95% CI)")
-    else:
-        ax_d.set(xlabel=key, ylabel=f"% vs {ref.family} at the same {key} (same seed)",
-                 title=f"gap to {ref.family} at the same {key}, each its best (95% CI)")
-    _save(plt, fig, path)
+    gaps = grid_gaps(rep, key, fams)
+    axes_i = [i for i, a in enumerate(TREND_AXES) if (a.section, a.key) != ("optim", key)]
+    columns: dict[tuple[float, ...], list[tuple[str, list[GroupResult]]]] = {}
+    for label, gs in fams.items():
+        s = trend_settings(gs[0])
+        columns.setdefault(tuple(s[i] for i in axes_i), []).append((label, gs))
+    cols = [(k, part) for k, rows in sorted(columns.items()) for part in chunks(rows)]
+    colors = family_colors(rep)
+    width = 4.6 + 2.6
+    fig, axes = plt.subplots(2, len(cols), figsize=(width * len(cols), 7.0), squeeze=False,
+                             sharex="col", layout="constrained")
+    for j, (k, rows) in enumerate(cols):
+        ax, ax_d = axes[0][j], axes[1][j]
+        shifts = nudges(len(rows))
+        values: set[float] = set()
+        for (label, gs), shift in zip(rows, shifts, strict=True):
+            fam = gs[0].group.family
+            ok = [g for g in gs if g.loss.mean is not None]
+            xs = [getattr(g.group.config.optim, key) for g in ok]
+            values |= set(xs)
+            ax.errorbar([x * shift for x in xs], [g.loss.mean for g in ok],
+                        yerr=[g.loss.std or 0.0 for g in ok], marker="o", capsize=3,
+                        label=fam, color=colors[fam])
+            if gaps is not None:
+                pts = _gap_xy(gaps.get(label, []), lambda w, s=shift: w.value * s)
+            else:
+                pts = _paired_xy(rep, ok, key, shift)
+            if pts[0]:
+                ax_d.errorbar(pts[0], pts[1], yerr=pts[2], marker="o", capsize=3,
+                              color=colors[fam])
+        where = ", ".join(f"{'d =' if TREND_AXES[i].name == 'width' else TREND_AXES[i].name} "
+                          f"{v:g}" for i, v in zip(axes_i, k, strict=True))
+        ax.set(ylabel=f"final {LOSS}", title=where)
+        for a in (ax, ax_d):
+            if key == "weight_decay":
+                a.set_xscale("symlog", linthresh=1e-3)
+                a.set_xticks(sorted(values), [f"{v:g}" for v in sorted(values)])
+                a.minorticks_off()
+                a.grid(alpha=0.3)
+            else:
+                log2_axis(a, sorted(values), "peak learning rate", fmt="g")
+        ax.tick_params(labelbottom=True)
+        for a in (ax, ax_d):
+            a.set_xlabel("peak learning rate" if key == "lr" else key.replace("_", " "))
+        margin_band(ax_d, rep.margin_pct)
+        vs = f"{ref.family} at the same {key}" if gaps is not None else ref.name
+        ax_d.set(ylabel=f"gap to {vs} (%)")
+        legend_beside(ax)
+        legend_beside(ax_d)
+    what = (f"gap to {ref.family} at the same {key}, each the best of its value"
+            if gaps is not None else f"paired gap to {ref.name}")
+    suptitle(fig, f"{rep.spec.name}: final validation loss against {key.replace('_', ' ')} "
+                 f"(top: mean ± std over seeds; bottom: {what}, 95% interval)")
+    save(plt, fig, path)
 
 
-def _errorbars(ax, xs: list[float], ys: list[float], lo: list[float], hi: list[float], *,
-               color: str, label: str) -> None:
-    if xs:
-        ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, color=color, label=label)
-
-
-def _gap_points(gaps: list[SettingGap], nudge: float, best: bool = False
-                ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """x (times `nudge`, so that lines at one value do not hide each other), the gap in % at
-    the end (or at each run's best validation loss) and its interval's lower/upper error bar
-    (0 for one seed)."""
-    rs = [(w.value * nudge, w.best if best else w.result) for w in gaps]
-    rs = [(x, r) for x, r in rs if r.rel_pct is not None]
-    lo = [r.rel_pct - r.rel_ci[0] if r.rel_ci[0] is not None else 0.0 for _, r in rs]
-    hi = [r.rel_ci[1] - r.rel_pct if r.rel_ci[1] is not None else 0.0 for _, r in rs]
-    return [x for x, _ in rs], [r.rel_pct for _, r in rs], lo, hi
-
-
-def _paired_points(rep: Report, groups: list[GroupResult], key: str
-                   ) -> tuple[list[float], list[float], list[float], list[float]]:
-    """x, the paired mean difference and its interval's lower/upper error bar, for the groups
-    with a paired test (the reference itself sits at 0)."""
-    dx, dy, lo, hi = [], [], [], []
+def _paired_xy(rep: Report, groups: list[GroupResult], key: str, shift: float
+               ) -> tuple[list[float], list[float], list[list[float]]]:
+    """x, the paired gap to the reference in % and its 95% interval as error bar lengths, for
+    the groups with a paired test (the reference itself sits at 0)."""
+    xs, ys, lo, hi = [], [], [], []
     for g in groups:
-        x = getattr(g.group.config.optim, key)
+        x = getattr(g.group.config.optim, key) * shift
         if g is rep.baseline:
-            dx.append(x)
-            dy.append(0.0)
-            lo.append(0.0)
-            hi.append(0.0)
-        elif g.paired is not None and g.paired.mean is not None:
-            t = g.paired
-            dx.append(x)
-            dy.append(t.mean)
-            lo.append(t.mean - t.ci_low if t.ci_low is not None else 0.0)
-            hi.append(t.ci_high - t.mean if t.ci_high is not None else 0.0)
-    return dx, dy, lo, hi
+            xs.append(x), ys.append(0.0), lo.append(0.0), hi.append(0.0)
+        elif g.rel_pct is not None:
+            xs.append(x)
+            ys.append(g.rel_pct)
+            lo.append(g.rel_pct - g.rel_ci[0] if g.rel_ci[0] is not None else 0.0)
+            hi.append(g.rel_ci[1] - g.rel_pct if g.rel_ci[1] is not None else 0.0)
+    return xs, ys, [lo, hi]
 
 
-def _log_xlim(ax, values: list[float], pad: float = 1.3) -> None:
-    """x limits a factor `pad` beyond the settings run: with a single setting, autoscaling would
-    stretch the small nudge between its points across the whole axis."""
-    ax.set_xlim(min(values) / pad, max(values) * pad)
+def comparison_label(c: Comparison, settings: bool = True, alpha: bool = False) -> str:
+    """A headline row as the figure names it: the group, the width and lr it is compared at
+    (`settings`) and each side's alpha (`alpha`)."""
+    parts = [f"{'d' if k == 'width' else k} {v:g}" for k, v in c.setting.items()
+             if settings and not k.startswith("reference_")]
+    if alpha:
+        parts.append(f"alpha {c.alpha[0]:.3g} vs {c.alpha[1]:.3g}")
+    return c.group + (f" ({', '.join(parts)})" if parts else "")
 
 
-def plot_gaps(gaps: list[SettingGap], axis: TrendAxis, ref: str, path: Path) -> None:
-    """The paired gap to the reference at the same setting (%, 95% interval) against the
-    setting (width or learning rate), one line per family: at the end (solid) and at each
-    run's best validation loss (dashed, nudged right so the bars do not overlap)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    fams = list(dict.fromkeys(w.family for w in gaps))
-    colors = variant_colors(fams)
-    for fam in fams:
-        for which, nudge, style, fill in (("final", 1.0, "-", None), ("best", 1.04, "--", "none")):
-            xs, ys, lo, hi = _gap_points([w for w in gaps if w.family == fam], nudge,
-                                         best=which == "best")
-            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3,
-                        ls=style, mfc=fill, label=f"{fam} ({which} val)", color=colors[fam])
-    ax.axhline(0, color="gray", lw=0.8)
-    ax.set_xscale("log", base=2)
-    values = sorted({w.value for w in gaps})
-    ax.set_xticks(values, [f"{v:g}" for v in values])  # the settings run, not powers of 2
-    _log_xlim(ax, values)
-    ax.minorticks_off()
-    ax.set(xlabel=axis.label, ylabel=f"% vs {ref} at the same {axis.name} (same seed)",
-           title=f"gap to the baseline against {axis.name} (mean, 95% interval over seeds)")
-    ax.grid(alpha=0.3, which="both")
-    _legend(fig, ax, inside=6)  # a final and a best line per family: three families
-    _save(plt, fig, path)
-
-
-def plot_scale_scan(cells: list[ScanCell], path: Path) -> None:
-    """Left: final validation loss against alpha, one line per family, width and lr (the curves
-    the best alphas come from). Then each family's best alpha against width, and where more
-    than one lr was scanned, against the lr (hollow: at the end of its grid, so the optimum may
-    lie beyond; x: the fitted optimum between grid points; dotted: the power of the width or lr
-    fitted to those optima, `alpha_trends`)."""
-    plt = _pyplot()
-    lrs = sorted({c.lr for c in cells})
-    fig, axes = plt.subplots(1, 3 if len(lrs) > 1 else 2, figsize=(16 if len(lrs) > 1 else 11, 4.5))
-    left = axes[0]
-    fams = list(dict.fromkeys(c.family for c in cells))
-    colors = variant_colors(fams)
-    widths = sorted({c.width for c in cells})
-    styles = dict(zip(widths, _STYLES * 4, strict=False))
-    markers = dict(zip(lrs, "osD^v" * 4, strict=False))
-    for c in cells:
-        left.plot([p.alpha for p in c.points], [p.final for p in c.points],
-                  marker=markers[c.lr], ls=styles[c.width], color=colors[c.family],
-                  label=c.family + (f", lr {c.lr:g}" if len(lrs) > 1 else "") + f" d {c.width}")
-        left.plot([c.best.alpha], [c.best.final], marker="*", ms=12, color=colors[c.family])
-    alphas = _spaced(sorted({p.alpha for c in cells for p in c.points}))
-    _log2_axis(left, alphas, "alpha = scale x sqrt(d_k)")
-    left.set(ylabel="final val loss (mean over seeds)", title="loss against the logit scale")
-    if len(cells) > _LEGEND_INSIDE:  # a long legend below the curves, where it hides none
-        rows = -(-len(cells) // 2)
-        fig.set_size_inches(fig.get_size_inches()[0], 4.5 + 0.17 * rows)
-        left.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    else:
-        left.legend(fontsize=8)
-    _best_alpha_panel(axes[1], cells, "width", colors, markers, alphas)
-    if len(lrs) > 1:
-        _best_alpha_panel(axes[2], cells, "lr", colors, styles, alphas)
-    _save(plt, fig, path)
-
-
-def _best_alpha_panel(ax, cells: list[ScanCell], axis: str, colors: dict[str, str],
-                      looks: dict, alphas: list[float]) -> None:
-    """Each family's best alpha against `axis` ("width" or "lr"), one line per value of the
-    other (its marker for the lr, its line style for the width)."""
-    def x_of(c: ScanCell) -> float:
-        return c.width if axis == "width" else c.lr
-
-    def held(c: ScanCell) -> float:
-        return c.lr if axis == "width" else c.width
-
-    lines = list(dict.fromkeys((c.family, held(c)) for c in cells))
-    for i, (fam, other) in enumerate(lines):
-        nudge = 1 + 0.012 * i  # lines at the same best alpha stay visible side by side
-        mine = sorted((c for c in cells if (c.family, held(c)) == (fam, other)), key=x_of)
-        look = {"marker": looks[other]} if axis == "width" else {"ls": looks[other], "marker": "o"}
-        label = f"{fam}, lr {other:g}" if axis == "width" else f"{fam}, d {other:g}"
-        ax.plot([x_of(c) * nudge for c in mine], [c.best.alpha for c in mine], color=colors[fam],
-                mfc="none", label=label, **look)
-        for c in mine:
-            ax.plot([x_of(c) * nudge], [c.best.alpha], marker=look["marker"], color=colors[fam],
-                    mfc="none" if c.edge else colors[fam])
-            if c.fitted is not None:
-                ax.plot([x_of(c) * nudge], [c.fitted], marker="x", ms=9, color=colors[fam])
-    xs = sorted({x_of(c) for c in cells})
-    span = [xs[0] * (xs[-1] / xs[0]) ** (i / 24) for i in range(25)]
-    for t in alpha_trends(cells):  # the fitted power, dotted, across the whole axis
-        if t.axis == axis:
-            ax.plot(span, [t.alpha(x) for x in span], ls=":", lw=1, color=colors[t.family])
-    _log2_axis(ax, xs, "width d" if axis == "width" else "learning rate")
-    ax.legend(fontsize=8)
-    ax.set_yscale("log", base=2)
-    ax.set_yticks(alphas, [f"{a:.3g}" for a in alphas])
-    ax.minorticks_off()
-    ax.set(ylabel="best alpha",
-           title=f"best alpha against {'width' if axis == 'width' else 'lr'}\n"
-                 "(hollow: grid end; x: fitted; dotted: their power)")
-
-
-def _spaced(values: list[float], gap: float = 0.3) -> list[float]:
-    """The values to label on a log2 axis: every point of the sqrt(2) grid, and another value
-    (a rule's alpha, say 1.11) only where it sits `gap` octaves from each of them, so that
-    neighbouring labels never print over each other."""
-    def on_grid(v: float) -> bool:
-        return abs(2 * math.log2(v) - round(2 * math.log2(v))) < 0.05
-
-    kept = [v for v in values if on_grid(v)]
-    for v in values:
-        if not on_grid(v) and all(abs(math.log2(v / k)) >= gap for k in kept):
-            kept.append(v)
-    return sorted(kept)
-
-
-def _log2_axis(ax, xs: list[float], label: str) -> None:
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [f"{x:.3g}" for x in xs])
-    _log_xlim(ax, xs)
-    ax.minorticks_off()
-    ax.set_xlabel(label)
-    ax.grid(alpha=0.3)
+def plot_headline(h: Headline, ref: str, spec: str, path: Path) -> None:
+    """The headline comparisons, one row each: the paired gap in % of the reference's loss with
+    its 95% interval (t-test) and its 90% interval (TOST), against the equivalence margin. `ref`
+    names the reference (family) on the x axis."""
+    plt = pyplot()
+    rows = [c for c in h.rows if c.result.rel_pct is not None]
+    fig, ax = plt.subplots(figsize=(7.5 + 2.6, 1.6 + 0.42 * max(len(rows), 3)),
+                           layout="constrained")
+    settings = len({tuple(sorted(c.setting.items())) for c in rows}) > 1
+    ys = list(range(len(rows)))[::-1]
+    for y, c in zip(ys, rows, strict=True):
+        r, eq = c.result, c.equivalence
+        lo, hi = r.rel_ci
+        if lo is not None and hi is not None:
+            ax.plot([lo, hi], [y, y], color="C0", lw=1.2, marker="|", ms=8,
+                    label="95% interval (t-test)" if y == ys[0] else None)
+        if eq is not None and eq.ci_low is not None and r.reference_mean:
+            ax.plot([100 * eq.ci_low / r.reference_mean, 100 * eq.ci_high / r.reference_mean],
+                    [y, y], color="C1", lw=4, alpha=0.6, solid_capstyle="butt",
+                    label="90% interval (TOST)" if y == ys[0] else None)
+        ax.plot([r.rel_pct], [y], "o", color="black", ms=5,
+                label="mean gap" if y == ys[0] else None)
+    ax.axvline(0, color="gray", lw=0.8)
+    if h.margin_pct:
+        ax.axvspan(-h.margin_pct, h.margin_pct, color="gray", alpha=0.15, lw=0,
+                   label=f"±{h.margin_pct:g}% equivalence margin")
+    ax.set_yticks(ys, [comparison_label(c, settings, h.kind == "scale scan") for c in rows])
+    ax.set_ylim(-0.7, len(rows) - 0.3)
+    ax.set_xlabel(f"gap to {ref} (% of its final val loss; below 0: better)")
+    ax.grid(alpha=0.3, axis="x")
+    suptitle(fig, f"{spec}: {h.question[0].lower()}{h.question[1:]} Gap in final validation "
+                  "loss, paired by seed")
+    legend_beside(ax)
+    save(plt, fig, path)

@@ -155,13 +155,16 @@ def _machine_line(m: dict[str, Any]) -> str:
 
 # ---- report.md -------------------------------------------------------------------------------
 def render_markdown(rep: Report, command: str, plots: dict[str, str],
-                    scan: list[str] | None = None) -> str:
-    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr" to the written figures;
-    `scan` is the attention-scale scan's section (qkvlab.experiments.render_scan), if any."""
+                    scan: list[str] | None = None, headline: list[str] | None = None) -> str:
+    """report.md; `plots` maps "curves", "rel", "weight_decay", "lr", ... to the written
+    figures; `scan` is the attention-scale scan's section (qkvlab.experiments.render_scan) and
+    `headline` the comparisons that answer the report's question
+    (qkvlab.experiments.render_headline), if any."""
     L: list[str] = [f"# qkvlab report: {rep.spec.name}", ""]
     if rep.spec.description:
         L += [rep.spec.description, ""]
     L += _provenance(rep, command)
+    L += headline or []
     L += _findings(rep)
     L += _variants_table(rep)
     L += _paired_table(rep)
@@ -214,7 +217,9 @@ def _provenance(rep: Report, command: str) -> list[str]:
     fp = rep.record.get("fingerprint")
     L.append(f"- Spec fingerprint: `{fp[:16] if fp else 'n/a'}`; base `{spec.base}`"
              + (f" with {', '.join(f'`{s}`' for s in spec.set)}" if spec.set else ""))
-    L.append(f"- Shared settings: {cfg.train.max_steps:,} steps x {cfg.tokens_per_step:,} tokens "
+    length = (f"{cfg.steps:,} steps" if cfg.train.flop_budget is None else
+              "the steps each group's train.flop_budget pays for")
+    L.append(f"- Shared settings: {length} x {cfg.tokens_per_step:,} tokens "
              f"({cfg.train.batch_size} x {cfg.train.grad_accum} x {cfg.model.block_size}), "
              f"objective {cfg.train.objective}, data `{cfg.data.dir}` ({cfg.data.tokenizer}), "
              f"eval on {cfg.train.eval_windows} fixed windows of {cfg.model.block_size} tokens"

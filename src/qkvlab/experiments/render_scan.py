@@ -51,6 +51,8 @@ def scan_section(cells: list[ScanCell], tuned: list[TunedGap], ref: str,
         L.append(_trend_line(t))
     if "scale_scan" in plots:
         L += ["", f"![scale scan]({plots['scale_scan']})"]
+    if "best_alpha" in plots:
+        L += ["", f"![best alpha against width and lr]({plots['best_alpha']})"]
     if tuned:
         L += ["", f"### Each arm at its own best alpha against {ref} at its best", "",
               f"Paired by seed (t-test, 95% interval), as % of {ref}'s loss, at the end "

@@ -28,22 +28,33 @@ written by qkvlab.experiments.render.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
-from qkvlab.experiments.plots import plot_curves, plot_gaps, plot_grid, plot_rel, plot_scale_scan
+from qkvlab.experiments.headline import Headline, headline
+from qkvlab.experiments.machines import machine_report, with_warning
+from qkvlab.experiments.plots import (
+    family_colors,
+    plot_curves,
+    plot_gaps,
+    plot_grid,
+    plot_headline,
+    plot_rel,
+    trend_gap_panels,
+)
+from qkvlab.experiments.plots_scan import plot_best_alpha, plot_scale_scan
 from qkvlab.experiments.render import render_markdown
+from qkvlab.experiments.render_headline import headline_section
 from qkvlab.experiments.render_scan import scan_section
 from qkvlab.experiments.results import (
     CONFIDENCE,
+    DEFAULT_MARGIN_PCT,
     TREND_AXES,
     FitRow,
     GroupResult,
     PairedRelative,
     Report,
-    SettingGap,
     grid_families,
     grid_gaps,
     group_result,
@@ -51,11 +62,7 @@ from qkvlab.experiments.results import (
     pick_reference,
 )
 from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
-from qkvlab.experiments.scale_scan import (
-    ScaleScan,
-    TunedGap,
-    alpha_trends,
-)
+from qkvlab.experiments.scale_scan import ScaleScan, alpha_trends
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
 from qkvlab.fsutil import write_text_atomic
@@ -64,15 +71,16 @@ from qkvlab.run.records import read_json_record
 
 def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
                  overrides: list[str] | None = None, versus: str | None = None,
-                 attention: bool = False) -> Report:
+                 attention: bool = False, margin_pct: float = DEFAULT_MARGIN_PCT) -> Report:
     """The statistics of a sweep folder; the paired tests are against the spec's baseline, or
     against the group (or single-group variant) named by `versus`. `per_window` and
-    `attention` measure the final checkpoints too (cached in the run folders)."""
+    `attention` measure the final checkpoints too (cached in the run folders); `margin_pct`
+    is the equivalence margin of the headline's TOST, in % of the reference's loss."""
     record = _sweep_record(spec, sweep_dir)
     rules = {v.name: v.rule for v in spec.variants}
     results: list[GroupResult] = []
     for g in spec.groups(overrides):
-        _check_identity(g, record, sweep_dir)
+        _check_identity(g, record, sweep_dir, from_folder=spec.sweep_dir is not None)
         seeds = sorted(set(find_seeds(sweep_dir / g.name)))
         runs = [read_run(g, s, sweep_dir / g.name / f"seed-{s}") for s in seeds]
         for r in runs:
@@ -86,7 +94,7 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
                           "(`--dry-run` shows their state)")
     baseline = pick_reference(results, versus, spec)
     pair_with_reference(results, baseline)
-    return Report(spec, sweep_dir, results, baseline, record, per_window)
+    return Report(spec, sweep_dir, results, baseline, record, per_window, margin_pct)
 
 
 def _sweep_record(spec: Spec, sweep_dir: Path) -> dict[str, Any]:
@@ -103,14 +111,19 @@ def _sweep_record(spec: Spec, sweep_dir: Path) -> dict[str, Any]:
     return record
 
 
-def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path) -> None:
-    """Refuse a group whose runs were trained with another config than the spec gives now."""
+def _check_identity(g: Group, record: dict[str, Any], sweep_dir: Path,
+                    from_folder: bool = False) -> None:
+    """Refuse a group whose runs were trained with another config than the spec gives now
+    (`from_folder`: the spec is the folder's own copy)."""
     old = (record.get("groups") or {}).get(g.name)
     if old is not None and old.get("fingerprint") != g.fingerprint \
             and identity_diff(old.get("identity", {}), g.identity):
+        # a folder's spec copy holds its --set overrides, unless it predates their record
+        fix = ("pass the sweep's --set overrides (its sweep.json lists the commands)"
+               if from_folder else "pass the sweep's --set overrides, or report the folder "
+               f"itself (qkvlab report {sweep_dir})")
         raise QkvlabError(f"variant {g.name} in {sweep_dir} was made with another config "
-                          "than the spec resolves to now: pass the sweep's --set overrides, "
-                          f"or report the folder itself (qkvlab report {sweep_dir})")
+                          f"than the spec resolves to now: {fix}")
 
 
 def _training_gap_json(rep: Report) -> dict[str, Any] | None:
@@ -127,7 +140,9 @@ def _fit_json(row: FitRow) -> dict[str, Any]:
             "best_vs_reference": vs(row.best_vs_ref)}
 
 
-def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
+def report_json(rep: Report, command: str, scan: ScaleScan, head: Headline,
+                plots: dict[str, str], machines: dict[str, Any]) -> dict[str, Any]:
+    m = rep.margin_pct
     return {
         "spec": rep.spec.name,
         "fingerprint": rep.record.get("fingerprint"),
@@ -137,26 +152,30 @@ def report_json(rep: Report, command: str, scan: ScaleScan) -> dict[str, Any]:
         "sessions": rep.record.get("sessions", []),
         "baseline": rep.baseline.group.name,
         "confidence": CONFIDENCE,
-        "groups": [g.as_dict() for g in rep.groups],
+        "equivalence_margin_pct": m,
+        "headline": {**head.as_dict(), "figure": plots.get("headline")},
+        "figures": plots,
+        "groups": [g.as_dict(m) for g in rep.groups],
         "gap_over_training": _training_gap_json(rep),
         "fit": [_fit_json(row) for row in rep.fit],
         "attention": {row.group: {"seeds": row.seeds, "logit_std": row.logit_std,
                                   "entropy": row.entropy} for row in rep.attention},
         **{f"{a.name}_gaps": [{"family": w.family, a.name: w.value, "group": w.group,
-                               "reference": w.reference, **w.as_dict()}
+                               "reference": w.reference, **w.as_dict(m)}
                               for w in rep.trend_gaps[a.name]]
            for a in TREND_AXES},
         **{f"{a.name}_grid_gaps": _grid_gaps_json(rep, a.key) for a in TREND_AXES if a.tuned},
         **{f"{a.name}_tuned_gaps": [
             {"family": w.family, a.name: w.value, "group": w.group, "reference": w.reference,
-             f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict()}
+             f"reference_{a.name}": w.reference_value, "at_edge": w.edge, **w.as_dict(m)}
             for w in rep.tuned_gaps[a.name]] for a in TREND_AXES if a.tuned},
         "scale_scan": [c.as_dict() for c in scan.cells],
-        "scale_tuned_gaps": [t.as_dict() for t in scan.tuned],
+        "scale_tuned_gaps": [t.as_dict(m) for t in scan.tuned],
         "alpha_trends": [t.as_dict() for t in alpha_trends(scan.cells)],
-        "scale_rule_gaps": [r.as_dict() for r in scan.rules],
-        "scale_alpha_gaps": [a.as_dict() for a in scan.alphas],
+        "scale_rule_gaps": [r.as_dict(m) for r in scan.rules],
+        "scale_alpha_gaps": [a.as_dict(m) for a in scan.alphas],
         "runs": [r.as_dict() for r in rep.runs()],
+        **machines,  # experiments/machines.py
     }
 
 
@@ -164,20 +183,17 @@ def _grid_gaps_json(rep: Report, key: str) -> dict[str, list[dict[str, Any]]]:
     """final_vs_<key>.png's right panel: per row, the gap to the reference family's row at each
     value both ran (each the best of its value)."""
     gaps = grid_gaps(rep, key, grid_families(rep, key)) or {}
-    return {label: [{key: w.value, "group": w.group, "reference": w.reference, **w.as_dict()}
+    return {label: [{key: w.value, "group": w.group, "reference": w.reference,
+                     **w.as_dict(rep.margin_pct)}
                     for w in ws] for label, ws in gaps.items() if ws}
 
 
-def _by_lr(tuned: list[TunedGap]) -> list[SettingGap]:
-    """The tuned gaps, one line per family and lr where the scans ran at several lrs."""
-    if len({t.cell.lr for t in tuned}) < 2:
-        return [t.gap for t in tuned]
-    return [replace(t.gap, family=f"{t.cell.family}, lr {t.cell.lr:g}") for t in tuned]
-
-
-def write_report(rep: Report, out: Path, command: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
+def _draw(rep: Report, out: Path, scan: ScaleScan, head: Headline) -> dict[str, str]:
+    """Every figure of the report, by role: "curves", "rel", "weight_decay" / "lr" (the
+    grids), "gap_width" / "gap_lr", "scale_scan", "best_alpha", "tuned_gap_width", and
+    "headline", the figure that answers the report's question (report.md shows it first)."""
     plots: dict[str, str] = {}
+    ref, colors = rep.baseline.group.family, family_colors(rep)
     plot_curves(rep, out / "val_curves.png")
     plots["curves"] = "val_curves.png"
     if any(g.paired is not None for g in rep.groups):
@@ -186,27 +202,50 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     for key in ("weight_decay", "lr"):
         fams = grid_families(rep, key)
         if fams:
-            name = f"final_vs_{key}.png"
-            plot_grid(rep, key, fams, out / name)
-            plots[key] = name
+            plot_grid(rep, key, fams, out / f"final_vs_{key}.png")
+            plots[key] = f"final_vs_{key}.png"
     for axis in TREND_AXES:
-        gaps = rep.trend_gaps[axis.name]
-        if gaps:
+        if rep.trend_gaps[axis.name]:
             name = f"gap_vs_{axis.name}.png"
-            plot_gaps(gaps, axis, rep.baseline.group.family, out / name)
+            plot_gaps(trend_gap_panels(rep, axis), axis, ref,
+                      f"{rep.spec.name}: gap to {ref} at the same {axis.name}, final "
+                      "validation loss, paired by seed", out / name, rep.margin_pct,
+                      colors=colors)
             plots[f"gap_{axis.name}"] = name
-    scan = ScaleScan.of(rep)
     if scan.cells:
-        plot_scale_scan(scan.cells, out / "scale_scan.png")
+        plot_scale_scan(scan.cells, rep.spec.name, out / "scale_scan.png", colors)
         plots["scale_scan"] = "scale_scan.png"
-    if scan.tuned:
-        plot_gaps(_by_lr(scan.tuned), TREND_AXES[0], rep.baseline.group.family,
-                  out / "tuned_gap_vs_width.png")
-        plots["tuned_gap_width"] = "tuned_gap_vs_width.png"
-    write_text_atomic(out / "report.json",
-                      json.dumps(report_json(rep, command, scan), indent=1) + "\n")
+        if plot_best_alpha(scan.cells, rep.spec.name, out / "best_alpha.png", colors):
+            plots["best_alpha"] = "best_alpha.png"
+    if len({t.cell.width for t in scan.tuned}) > 1:
+        by_lr: dict[float, list] = {}
+        for t in scan.tuned:
+            by_lr.setdefault(t.cell.lr, []).append(t.gap)
+        plot_gaps([(f"lr {lr:g}", gaps) for lr, gaps in sorted(by_lr.items())], TREND_AXES[0],
+                  ref, f"{rep.spec.name}: each arm at its own best alpha against {ref} at its "
+                  "best, final validation loss by width, one panel per lr",
+                  out / "tuned_gap_vs_width.png", rep.margin_pct, best=False, colors=colors)
+        plots["tuned_gap_width"] = plots["headline"] = "tuned_gap_vs_width.png"
+    if "headline" not in plots and head.kind in ("width", "lr"):
+        plots["headline"] = plots.get(head.kind) or plots[f"gap_{head.kind}"]
+    elif "headline" not in plots and head.rows:
+        plot_headline(head, ref, rep.spec.name, out / "gaps.png")
+        plots["headline"] = "gaps.png"
+    return plots
+
+
+def write_report(rep: Report, out: Path, command: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    scan = ScaleScan.of(rep)
+    head = headline(rep, scan)
+    plots = _draw(rep, out, scan, head)
+    machines = machine_report(rep)  # which runs trained on which CPU kind and dtype
+    write_text_atomic(out / "report.json", json.dumps(
+        report_json(rep, command, scan, head, plots, machines), indent=1) + "\n")
     path = out / "report.md"
     section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules,
                            scan.alphas)
-    write_text_atomic(path, render_markdown(rep, command, plots, section))
+    top = headline_section(head, rep.baseline.group.name, plots.get("headline"))
+    write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section, top),
+                                         machines))
     return path

@@ -14,16 +14,40 @@ from qkvlab.errors import QkvlabError
 from qkvlab.experiments.runs import RunData
 from qkvlab.experiments.spec import Group, Spec
 from qkvlab.experiments.stats import (
+    EquivalenceTest,
     PairedTest,
     Summary,
     holm,
     paired_t,
     relative,
     summarize,
+    tost_paired,
 )
 from qkvlab.model.params import count_params
 
 CONFIDENCE = 0.95
+# Two arms are called level when the equivalence test (TOST) puts their paired difference
+# within this share of the reference's loss (`qkvlab report --margin`).
+DEFAULT_MARGIN_PCT = 0.5
+
+
+def equivalence(diffs: list[float], reference_mean: float | None, margin_pct: float
+                ) -> EquivalenceTest | None:
+    """TOST of paired loss differences against +-margin_pct % of the reference's mean loss
+    (None without a reference loss or a difference)."""
+    if not diffs or not reference_mean:
+        return None
+    return tost_paired(diffs, margin_pct / 100.0 * abs(reference_mean))
+
+
+def equivalence_json(eq: EquivalenceTest | None, reference_mean: float | None,
+                     margin_pct: float) -> dict[str, Any] | None:
+    """The equivalence test as report.json writes it: the test in loss units, the margin and
+    the 90% interval also in % of the reference loss."""
+    if eq is None:
+        return None
+    return {**eq.as_dict(), "margin_pct": margin_pct,
+            "ci_pct": [relative(eq.ci_low, reference_mean), relative(eq.ci_high, reference_mean)]}
 
 
 @dataclass
@@ -44,6 +68,11 @@ class GroupResult:
     window_test: PairedTest | None = None
     window_rel_pct: float | None = None
     p_holm: float | None = None  # the seed-level p, Holm-adjusted over the report's comparisons
+    paired_diffs: list[float] = field(default_factory=list)  # loss - reference loss, per seed
+
+    def equivalence(self, margin_pct: float) -> EquivalenceTest | None:
+        """TOST of the paired differences to the reference within +-margin_pct %."""
+        return equivalence(self.paired_diffs, self.baseline_mean, margin_pct)
 
     @property
     def resolvable_pct(self) -> float | None:
@@ -52,7 +81,7 @@ class GroupResult:
         lo, hi = self.rel_ci
         return None if lo is None or hi is None else (hi - lo) / 2
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, margin_pct: float = DEFAULT_MARGIN_PCT) -> dict[str, Any]:
         g, m = self.group, self.group.config.model
         return {
             "group": g.name, "variant": g.variant, "family": g.family, "point": g.point,
@@ -66,7 +95,9 @@ class GroupResult:
                 **self.paired.as_dict(), "seeds": self.paired_seeds,
                 "baseline_mean": self.baseline_mean, "relative_pct": self.rel_pct,
                 "relative_ci_pct": list(self.rel_ci), "p_holm": self.p_holm,
-                "resolvable_pct": self.resolvable_pct},
+                "resolvable_pct": self.resolvable_pct,
+                "equivalence": equivalence_json(self.equivalence(margin_pct),
+                                                self.baseline_mean, margin_pct)},
             "per_window_vs_baseline": None if self.window_test is None else {
                 **self.window_test.as_dict(), "relative_pct": self.window_rel_pct},
         }
@@ -80,6 +111,7 @@ class Report:
     baseline: GroupResult  # the reference of the paired tests (the spec's, or --versus)
     record: dict[str, Any]
     per_window: bool
+    margin_pct: float = DEFAULT_MARGIN_PCT  # the equivalence margin, % of the reference loss
 
     def runs(self) -> list[RunData]:
         return [r for g in self.groups for r in g.runs]
@@ -124,7 +156,7 @@ def group_result(group: Group, rule: str | None, runs: list[RunData]) -> GroupRe
     return GroupResult(
         group=group, rule=rule,
         params={"non_embedding_params": counts.non_embedding, "total_params": counts.total},
-        tokens_per_run=cfg.train.max_steps * cfg.tokens_per_step,
+        tokens_per_run=cfg.steps * cfg.tokens_per_step,
         runs=runs,
         loss=summarize([r.final_loss for r in done]),
         acc=summarize([r.final_acc for r in done if r.final_acc is not None]),
@@ -190,10 +222,18 @@ class PairedRelative:
     reference_mean: float | None
     rel_pct: float | None
     rel_ci: tuple[float | None, float | None]
+    diffs: list[float] = field(default_factory=list)  # value - reference value, per seed
 
-    def as_dict(self) -> dict[str, Any]:
+    def equivalence(self, margin_pct: float) -> EquivalenceTest | None:
+        """TOST of the paired differences within +-margin_pct % of the reference."""
+        return equivalence(self.diffs, self.reference_mean, margin_pct)
+
+    def as_dict(self, margin_pct: float | None = None) -> dict[str, Any]:
+        """The test; with `margin_pct`, the equivalence test at that margin too."""
+        eq = {} if margin_pct is None else {"equivalence": equivalence_json(
+            self.equivalence(margin_pct), self.reference_mean, margin_pct)}
         return {"seeds": self.seeds, **self.test.as_dict(), "relative_pct": self.rel_pct,
-                "relative_ci_pct": list(self.rel_ci)}
+                "relative_ci_pct": list(self.rel_ci), **eq}
 
 
 def paired_relative(pairs: list[tuple[RunData, RunData]],
@@ -201,16 +241,17 @@ def paired_relative(pairs: list[tuple[RunData, RunData]],
                     ) -> PairedRelative:
     """(variant run, reference run) pairs of the same seed -> the paired test of `value` (the
     final validation loss unless told), in loss and %."""
-    test = paired_t([value(r) - value(b) for r, b in pairs], CONFIDENCE)
+    diffs = [value(r) - value(b) for r, b in pairs]
+    test = paired_t(diffs, CONFIDENCE)
     ref = summarize([value(b) for _, b in pairs]).mean
     return PairedRelative([r.seed for r, _ in pairs], test, ref, relative(test.mean, ref),
-                          (relative(test.ci_low, ref), relative(test.ci_high, ref)))
+                          (relative(test.ci_low, ref), relative(test.ci_high, ref)), diffs)
 
 
 def _seed_test(g: GroupResult, pairs: list[tuple[RunData, RunData]]) -> None:
     pr = paired_relative(pairs)
     g.paired_seeds, g.paired, g.baseline_mean = pr.seeds, pr.test, pr.reference_mean
-    g.rel_pct, g.rel_ci = pr.rel_pct, pr.rel_ci
+    g.rel_pct, g.rel_ci, g.paired_diffs = pr.rel_pct, pr.rel_ci, pr.diffs
 
 
 @dataclass(frozen=True)
@@ -244,12 +285,14 @@ class SettingGap:
     reference_value: float | None = None  # the reference's value, where it is not `value`
     edge: bool = False  # tuned: a best value lies at the end of the values run
 
-    def as_dict(self) -> dict[str, Any]:
-        return {**self.result.as_dict(), "p_holm": self.p_holm, "best_val": self.best.as_dict(),
+    def as_dict(self, margin_pct: float = DEFAULT_MARGIN_PCT) -> dict[str, Any]:
+        return {**self.result.as_dict(margin_pct), "p_holm": self.p_holm,
+                "best_val": self.best.as_dict(),
                 "train": self.train.as_dict() if self.train else None}
 
 
-def _settings(g: GroupResult) -> tuple[float, ...]:
+def trend_settings(g: GroupResult) -> tuple[float, ...]:
+    """The group's value on each trend axis (TREND_AXES order: width, lr)."""
     return tuple(getattr(getattr(g.group.config, a.section), a.key) for a in TREND_AXES)
 
 
@@ -264,7 +307,7 @@ def setting_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     refs = {k: gs[0] for k, gs in found.items() if len(gs) == 1}
     if len({k[at] for k in refs}) < 2:
         return []
-    gaps = [setting_gap(g, refs.get(_settings(g)), at) for g in rep.groups
+    gaps = [setting_gap(g, refs.get(trend_settings(g)), at) for g in rep.groups
             if g.group.family != fam]
     return _holm_sorted([w for w in gaps if w is not None])
 
@@ -273,7 +316,7 @@ def _reference_family_settings(rep: Report) -> dict[tuple[float, ...], list[Grou
     found: dict[tuple[float, ...], list[GroupResult]] = {}
     for g in rep.groups:
         if g.group.family == rep.baseline.group.family:
-            found.setdefault(_settings(g), []).append(g)
+            found.setdefault(trend_settings(g), []).append(g)
     return found
 
 
@@ -296,20 +339,21 @@ def tuned_gaps(rep: Report, axis: TrendAxis) -> list[SettingGap]:
     cells: dict[tuple[str, tuple[float, ...]], list[GroupResult]] = {}
     for g in rep.groups:
         if g.loss.n:
-            rest = tuple(v for i, v in enumerate(_settings(g)) if i != at)
+            rest = tuple(v for i, v in enumerate(trend_settings(g)) if i != at)
             cells.setdefault((g.group.family, rest), []).append(g)
     gaps = []
     for (family, rest), gs in cells.items():
         refs = cells.get((fam, rest), [])
-        spans = [{_settings(g)[at] for g in c} for c in (gs, refs)]
+        spans = [{trend_settings(g)[at] for g in c} for c in (gs, refs)]
         if family == fam or min(len(v) for v in spans) < 2:
             continue
         best, ref = best_group(gs), best_group(refs)
         w = setting_gap(best, ref, at)
         if w is not None:
-            w.reference_value = _settings(ref)[at]
-            w.edge = any(_settings(b)[at] in (min(v), max(v)) for b, v in (
-                (best, [_settings(g)[at] for g in gs]), (ref, [_settings(g)[at] for g in refs])))
+            w.reference_value = trend_settings(ref)[at]
+            w.edge = any(trend_settings(b)[at] in (min(v), max(v)) for b, v in (
+                (best, [trend_settings(g)[at] for g in gs]),
+                (ref, [trend_settings(g)[at] for g in refs])))
             gaps.append(w)
     return _holm_sorted(gaps)
 
@@ -338,7 +382,7 @@ def setting_gap(g: GroupResult, ref: GroupResult | None, at: int) -> SettingGap 
         return None
     logged = [(r, b) for r, b in pairs if r.train_tail is not None and b.train_tail is not None]
     return SettingGap(
-        g.group.family, _settings(g)[at], g.group.name, ref.group.name,
+        g.group.family, trend_settings(g)[at], g.group.name, ref.group.name,
         paired_relative(pairs), paired_relative(pairs, lambda r: r.best[1]),
         paired_relative(logged, lambda r: r.train_tail) if logged else None)
 
@@ -486,7 +530,7 @@ def grid_families(rep: Report, key: str) -> dict[str, list[GroupResult]]:
     axes = [i for i, a in enumerate(TREND_AXES) if (a.section, a.key) != ("optim", key)]
     rows: dict[tuple[Any, ...], dict[float, list[GroupResult]]] = {}
     for g in rep.groups:
-        s = _settings(g)
+        s = trend_settings(g)
         row = rows.setdefault((g.group.family, *(s[i] for i in axes)), {})
         row.setdefault(getattr(g.group.config.optim, key), []).append(g)
     spans = {k: [_best_finished(row[v]) for v in sorted(row)]
@@ -505,8 +549,8 @@ def grid_gaps(rep: Report, key: str, fams: dict[str, list[GroupResult]]
     if axis is None:
         return None
     fam, at = rep.baseline.group.family, TREND_AXES.index(axis)
-    refs = {_settings(g): g for gs in fams.values() for g in gs if g.group.family == fam}
-    gaps = {label: [setting_gap(g, refs.get(_settings(g)), at) for g in gs
+    refs = {trend_settings(g): g for gs in fams.values() for g in gs if g.group.family == fam}
+    gaps = {label: [setting_gap(g, refs.get(trend_settings(g)), at) for g in gs
                     if g.group.family != fam] for label, gs in fams.items()}
     return {label: [w for w in ws if w is not None] for label, ws in gaps.items()}
 

@@ -89,7 +89,7 @@ TAIL_FROM = 0.9  # the training loss of a run: its logged losses after 90% of th
 
 
 def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
-    max_steps = group.config.train.max_steps
+    max_steps = group.config.steps
     data = RunData(group.name, seed, run_dir, "pending", max_steps)
     records = read_metrics(run_dir, tolerant=True)  # a run killed mid-write reads too
     for r in records:

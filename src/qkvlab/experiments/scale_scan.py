@@ -28,8 +28,15 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from qkvlab.experiments.results import GroupResult, Report, SettingGap, setting_gap
+from qkvlab.experiments.results import (
+    DEFAULT_MARGIN_PCT,
+    GroupResult,
+    Report,
+    SettingGap,
+    setting_gap,
+)
 from qkvlab.experiments.runs import RunData
+from qkvlab.experiments.stats import holm
 from qkvlab.model.scale import alpha_of
 
 
@@ -124,13 +131,13 @@ class TunedGap:
     reference: ScanCell
     gap: SettingGap  # value = the width; result: final loss, best: each run's lowest
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, margin_pct: float = DEFAULT_MARGIN_PCT) -> dict[str, Any]:
         return {"family": self.cell.family, "width": self.cell.width, "lr": self.cell.lr,
                 "alpha": self.cell.best.alpha, "reference_alpha": self.reference.best.alpha,
                 "group": self.gap.group, "reference": self.gap.reference,
                 "scanned": self.cell.scanned,
                 "at_edge": self.cell.edge or self.reference.edge,
-                **self.gap.as_dict()}
+                **self.gap.as_dict(margin_pct)}
 
 
 @dataclass(frozen=True)
@@ -144,10 +151,11 @@ class RuleGap:
     lr: float
     gap: SettingGap  # value = the width
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, margin_pct: float = DEFAULT_MARGIN_PCT) -> dict[str, Any]:
         return {"rule": self.rule, "family": self.gap.family, "width": self.gap.value,
                 "lr": self.lr, "alpha": self.alpha, "reference_alpha": self.reference_alpha,
-                "group": self.gap.group, "reference": self.gap.reference, **self.gap.as_dict()}
+                "group": self.gap.group, "reference": self.gap.reference,
+                **self.gap.as_dict(margin_pct)}
 
 
 @dataclass(frozen=True)
@@ -160,10 +168,11 @@ class AlphaGap:
     lr: float
     gap: SettingGap  # value = the width
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, margin_pct: float = DEFAULT_MARGIN_PCT) -> dict[str, Any]:
         return {"family": self.gap.family, "width": self.gap.value, "lr": self.lr,
                 "alpha": self.alpha, "reference_alpha": self.reference_alpha,
-                "group": self.gap.group, "reference": self.gap.reference, **self.gap.as_dict()}
+                "group": self.gap.group, "reference": self.gap.reference,
+                **self.gap.as_dict(margin_pct)}
 
 
 def _key(g: GroupResult) -> tuple[str, int, float]:
@@ -213,8 +222,17 @@ class ScaleScan:
     def of(cls, rep: Report) -> ScaleScan:
         every = _all_cells(rep)
         cells = [c for c in every if c.scanned]
-        return cls(cells, _tuned_gaps(rep, every), rule_gaps(rep) if cells else [],
-                   _alpha_gaps(rep, cells))
+        tuned, rules = _tuned_gaps(rep, every), rule_gaps(rep) if cells else []
+        alphas = _alpha_gaps(rep, cells)
+        for table in ([t.gap for t in tuned], [r.gap for r in rules], [a.gap for a in alphas]):
+            _holm_within(table)
+        return cls(cells, tuned, rules, alphas)
+
+
+def _holm_within(gaps: list[SettingGap]) -> None:
+    """Each gap's final-loss p Holm-adjusted over the gaps of its table."""
+    for w, p in zip(gaps, holm([w.result.test.p for w in gaps]), strict=True):
+        w.p_holm = p
 
 
 def _tuned_gaps(rep: Report, cells: list[ScanCell]) -> list[TunedGap]:

@@ -22,9 +22,9 @@ A spec is a TOML file (data only: nothing is executed) with one [spec] table and
 
 A variant starts from the base, applies its `rule` (the paper's derivations, written once in
 variants.py; a key the spec's `set` or `--set` names stays as the user set it, see
-experiments/rules.py), then its fields (a whitelist of model and optimizer keys,
-VARIANT_FIELDS), then its grid point, then its own `set` overrides. Anything else is refused
-with the valid keys.
+experiments/rules.py), then its fields (a whitelist of model and optimizer keys and
+train.flop_budget, VARIANT_FIELDS), then its grid point, then its own `set` overrides.
+Anything else is refused with the valid keys.
 
 One (variant, grid point) is a *group*; a group times a seed is a *run*, trained in
 <out>/<group>/seed-<seed>/. A group's fingerprint is the sha256 of its resolved config without
@@ -53,12 +53,16 @@ from qkvlab.model.config import old_record_nulls
 from qkvlab.model.scale import alpha_of
 from qkvlab.model.variants import RULES
 from qkvlab.run.config import (
+    FINGERPRINT_NEUTRAL,
+    REPLACES,
     RESUME_HARMLESS,
     SEED_RANGE,
     RunConfig,
     apply_overrides,
     load_config,
+    parse_override,
     saved_config,
+    set_key,
     valid_seed,
 )
 
@@ -74,12 +78,14 @@ VARIANT_FIELDS: dict[str, str] = {
     "positions": "model", "residual": "model", "dropout": "model", "vocab_size": "model",
     "mlp": "model",
     "lr": "optim", "min_lr": "optim", "weight_decay": "optim", "warmup_steps": "optim",
-    "decay_steps": "optim", "beta2": "optim",
+    "warmup_fraction": "optim", "decay_steps": "optim", "beta2": "optim",
+    "flop_budget": "train",
 }
 # Short names for grid values in folder names: q-identity.wd0.01.lr0.002
 ABBREV: dict[str, str] = {"weight_decay": "wd", "min_lr": "minlr", "attn_scale": "scale",
                           "mlp_ratio": "mlp", "mlp_hidden": "hidden", "n_embd": "d",
-                          "n_layer": "L", "n_head": "H", "decay_steps": "decay"}
+                          "n_layer": "L", "n_head": "H", "decay_steps": "decay",
+                          "warmup_fraction": "warmup", "flop_budget": "flops"}
 MAX_GRID_POINTS = 10_000  # per variant: beyond this a spec is a mistake, not an experiment
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # safe as a folder name
 SPECS_PACKAGE = "qkvlab.experiments"
@@ -179,6 +185,21 @@ class Spec:
             return load_config(self.base_source(), [*self.set, *(overrides or [])])
         except QkvlabError as exc:
             raise _err(f"spec {self.name}, base {self.base}", str(exc)) from None
+
+    def with_overrides(self, overrides: list[str]) -> Spec:
+        """This spec with a sweep's `--set` overrides folded into its `set` (one item per key,
+        at its first place, with its last value): it resolves as `groups(overrides)` does, and
+        the copy a sweep folder keeps of it resolves so without them (`qkvlab report SWEEP`,
+        `qkvlab sweep SWEEP`)."""
+        if not overrides:
+            return self
+        merged: dict[str, str] = {}
+        for item in [*self.set, *overrides]:
+            section, key, _ = parse_override(item)
+            merged[f"{section}.{key}"] = item  # an existing key keeps its place
+            for other in REPLACES.get(f"{section}.{key}", ()):  # a length replaces a length
+                merged.pop(other, None)
+        return dataclasses.replace(self, set=list(merged.values()))
 
     def baseline(self) -> VariantSpec:
         return next(v for v in self.variants if v.baseline)
@@ -292,6 +313,8 @@ def _part(key: str, value: Any) -> str:
     alpha = alpha_of(value) if key == "attn_scale" else None
     if alpha is not None:  # "4/sqrt(d_k)" holds a slash: .alpha4
         return f".alpha{alpha:g}"
+    if key == "flop_budget" and not isinstance(value, bool) and isinstance(value, int | float):
+        return ".flops" + re.sub(r"e\+0*", "e", f"{float(value):g}")  # 1.6e+14: .flops1.6e14
     return f".{ABBREV.get(key, key)}{_fmt(value)}"
 
 
@@ -308,7 +331,7 @@ def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where
     try:
         data = (apply_rule(base, v.rule, user) if v.rule else base).to_dict()
         for key, value in {**v.fields, **point}.items():
-            data[VARIANT_FIELDS[key]][key] = value
+            set_key(data, VARIANT_FIELDS[key], key, value)  # a budget replaces max_steps
         data = apply_overrides(data, list(v.set))
         return _on_this_machine(RunConfig.from_dict(data))
     except QkvlabError as exc:
@@ -331,7 +354,12 @@ def _on_this_machine(cfg: RunConfig) -> RunConfig:
 def config_identity(cfg: RunConfig) -> dict[str, Any]:
     """The config keys that decide the training trajectory of a group (not seed or paths)."""
     skip = RESUME_HARMLESS | _PER_RUN_KEYS
-    identity = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in skip}
+
+    def kept(name: str, value: Any) -> bool:
+        return name not in skip and not (name in FINGERPRINT_NEUTRAL
+                                         and value == FINGERPRINT_NEUTRAL[name])
+
+    identity = {section: {k: v for k, v in table.items() if kept(f"{section}.{k}", v)}
                 for section, table in cfg.to_dict().items() if section != "run"}
     identity["model"] = old_record_nulls(identity["model"])  # as older sweeps' records hold it
     return identity

@@ -16,7 +16,7 @@ that have the same trajectory-deciding config and seed instead of training them 
 folder layout::
 
     <out>/sweep.json                 spec name, fingerprints, the commands and machines
-    <out>/spec.toml                  the spec, as data
+    <out>/spec.toml                  the spec, as data (its `set` ends with the --set overrides)
     <out>/<group>/seed-<n>/          a run folder (config.toml, metrics.jsonl, summary.json, ...)
 
 Scale: `--launcher "torchrun --standalone --nproc-per-node=8"` starts each run as a subprocess
@@ -55,8 +55,15 @@ from qkvlab.experiments.spec import (
     identity_diff,
 )
 from qkvlab.fsutil import check_tree, write_text_atomic
-from qkvlab.model.params import count_params, flops_per_token
-from qkvlab.run.config import EMBEDDED_SOURCE, as_recorded, load_config, save_config
+from qkvlab.model.params import count_params
+from qkvlab.run.config import (
+    EMBEDDED_SOURCE,
+    REUSE_HARMLESS,
+    as_recorded,
+    config_diff,
+    load_config,
+    save_config,
+)
 from qkvlab.run.layout import (
     CONFIG_FILE,
     FAILED_FILE,
@@ -67,6 +74,7 @@ from qkvlab.run.layout import (
 )
 from qkvlab.run.load import open_data
 from qkvlab.run.lock import lock_holder
+from qkvlab.run.machine import cpu_model
 from qkvlab.run.records import is_finished, read_json_record
 from qkvlab.train import objectives
 
@@ -90,7 +98,7 @@ class RunState:
 def run_state(run: Run) -> RunState:
     run_dir = run.run_dir
     summary = read_json_record(run_dir / SUMMARY_FILE)
-    max_steps = run.config.train.max_steps
+    max_steps = run.config.steps
     if is_finished(summary, max_steps):
         return RunState("done", int(summary["steps"]), summary.get("final_val_loss"))
     failed = read_json_record(run_dir / FAILED_FILE)
@@ -120,16 +128,8 @@ def claimed_elsewhere(run: Run) -> str | None:
 # ---- machine and command records ----------------------------------------------------------
 def machine_info() -> dict[str, Any]:
     """What a result depends on: CPU, accelerators, library versions (no host names)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     info: dict[str, Any] = {
-        "cpu": cpu,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
@@ -165,10 +165,13 @@ def check_sweep_dir(out: Path, spec: Spec, groups: list[Group]) -> dict[str, Any
                 continue
             diff = identity_diff(old.get("identity", {}), g.identity)
             if diff:
+                again = "" if spec.sweep_dir is not None else (
+                    f", or continue it with the spec and --set it was made with (qkvlab sweep "
+                    f"{out})")
                 raise QkvlabError(
                     f"{out} was made by a different version of spec {spec.name}: variant "
                     f"{g.name} differs at {'; '.join(diff[:4])}: choose another --out (or "
-                    "restore the spec)")
+                    f"restore the spec){again}")
     else:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise QkvlabError(f"{out} exists and is not a sweep folder (no {SWEEP_FILE}): "
@@ -192,7 +195,9 @@ def write_sweep_record(out: Path, record: dict[str, Any], spec: Spec) -> None:
 
 
 def check_run_dirs(runs: list[Run]) -> None:
-    """A run folder that exists must hold this run: same trajectory-deciding config, same seed."""
+    """A run folder that exists must hold this run: same trajectory-deciding config, same seed;
+    a finished one also the same length and evaluations (REUSE_HARMLESS), or its results would
+    be taken for this sweep's."""
     for run in runs:
         path = run.run_dir / CONFIG_FILE
         if not path.is_file():
@@ -209,6 +214,13 @@ def check_run_dirs(runs: list[Run]) -> None:
             raise QkvlabError(f"run folder {run.run_dir} was trained with another config "
                               f"({'; '.join(diff[:4])}): it is not this spec's run; move it away "
                               "or choose another --out")
+        if is_finished(read_json_record(run.run_dir / SUMMARY_FILE), run.config.steps):
+            diffs = config_diff(saved, run.config, REUSE_HARMLESS)
+            if diffs:
+                raise QkvlabError(
+                    f"run folder {run.run_dir} finished with another config than this sweep asks "
+                    f"for, at {'; '.join(diffs[:4])}: choose another --out, or move the folder "
+                    "away to train the run again")
 
 
 def _data_vocab(data_dir: Path) -> tuple[int, str] | None:
@@ -295,7 +307,7 @@ def progress_table(spec: Spec, runs: list[Run], states: dict[Path, RunState],
         cells = []
         for s in seeds:
             r = row.get(s)
-            cells.append(_cell(states[r.run_dir], r.config.train.max_steps) if r else "")
+            cells.append(_cell(states[r.run_dir], r.config.steps) if r else "")
         table.add_row(name + (" *" if next(iter(row.values())).group.baseline else ""), *cells)
     table.caption = "* the baseline"
     return table
@@ -318,7 +330,7 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
                         f"({len({r.group.name for r in runs})} variants x "
                         f"{len({r.seed for r in runs})} seeds)")
     for col in ("variant", "projection", "d", "MLP", "scale", "wd", "lr", "non-emb params",
-                "total params", "tokens/run", "PFLOP/run", "seeds: status"):
+                "total params", "steps", "tokens/run", "PFLOP/run", "seeds: status"):
         table.add_column(col, justify="left" if col in ("variant", "projection",
                                                         "seeds: status") else "right")
     groups: dict[str, list[Run]] = {}
@@ -328,8 +340,8 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
         cfg = rs[0].config
         m = cfg.model
         counts = count_params(m)
-        tokens = cfg.train.max_steps * cfg.tokens_per_step
-        pflop = tokens * flops_per_token(m) / 1e15
+        tokens = cfg.steps * cfg.tokens_per_step  # the steps a flop budget pays for, if one
+        pflop = cfg.train_flops / 1e15
         counts_by_status: dict[str, int] = {}
         for r in rs:
             st = states[r.run_dir].status
@@ -338,7 +350,8 @@ def plan_table(spec: Spec, runs: list[Run], states: dict[Path, RunState]) -> Tab
         table.add_row(name + (" *" if rs[0].group.baseline else ""), m.projection,
                       str(m.n_embd), str(m.hidden), f"{m.scale:.4g}",
                       f"{cfg.optim.weight_decay:.4g}", f"{cfg.optim.lr:.3g}",
-                      f"{counts.non_embedding:,}", f"{counts.total:,}", f"{tokens:,}",
+                      f"{counts.non_embedding:,}", f"{counts.total:,}", f"{cfg.steps:,}",
+                      f"{tokens:,}",
                       f"{pflop:.3g}", status)
     table.caption = "* the baseline of the paired comparisons"
     return table
@@ -351,9 +364,9 @@ def remaining_work(runs: list[Run], states: dict[Path, RunState]) -> tuple[int, 
         st = states[r.run_dir]
         if st.status == "done":
             continue
-        left = max(r.config.train.max_steps - st.step, 0) * r.config.tokens_per_step
-        tokens += left
-        flops += left * flops_per_token(r.config.model)
+        left_steps = max(r.config.steps - st.step, 0)
+        tokens += left_steps * r.config.tokens_per_step
+        flops += left_steps * r.config.flops_per_step
     return tokens, flops
 
 
@@ -383,7 +396,7 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
     def key(cfg: Any, seed: int) -> str:
         return json.dumps([config_identity(cfg), seed], sort_keys=True)
 
-    finished: dict[str, Path] = {}
+    finished: dict[str, list[tuple[Any, Path]]] = {}
     for source in sources:
         src = Path(source)
         if not (src / SWEEP_FILE).is_file():
@@ -395,11 +408,19 @@ def find_reusable(runs: list[Run], states: dict[Path, RunState],
             except QkvlabError:
                 continue  # not a run this qkvlab can read: nothing to reuse
             if is_finished(read_json_record(cfg_path.parent / SUMMARY_FILE),
-                           cfg.train.max_steps):
-                finished.setdefault(key(cfg, cfg.train.seed), cfg_path.parent)
-    return {run.run_dir: finished[key(run.config, run.seed)] for run in runs
-            if states[run.run_dir].status == "pending" and not run.run_dir.exists()
-            and key(run.config, run.seed) in finished}
+                           cfg.steps):
+                finished.setdefault(key(cfg, cfg.train.seed), []).append((cfg, cfg_path.parent))
+    found = {}
+    for run in runs:
+        if states[run.run_dir].status != "pending" or run.run_dir.exists():
+            continue
+        # the same trajectory is not enough: the copy must have this run's length and
+        # evaluations, or its results would be taken for this run's
+        same = [path for cfg, path in finished.get(key(run.config, run.seed), [])
+                if not config_diff(cfg, run.config, REUSE_HARMLESS)]
+        if same:
+            found[run.run_dir] = same[0]
+    return found
 
 
 def copy_finished_run(run: Run, src: Path) -> None:

@@ -33,7 +33,7 @@ from qkvlab.data.tokenizer import (
     read_tokenizer_meta,
 )
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import check_tree
+from qkvlab.fsutil import check_tree, follow_umask
 from qkvlab.hf.gpt2 import QKVLAB_KEY, export_problem, to_gpt2
 from qkvlab.hf.llama import LLAMA_ARCH, is_llama_style, llama_problem, to_llama
 from qkvlab.jsonfile import read_json_object
@@ -52,6 +52,12 @@ VERIFY_TOL = 1e-4  # float32 max |logit diff| above which an export or import is
 # the logits' size (a real GPT-2's reach 100), a mapping error shows up at order one
 VERIFY_RTOL = 1e-5
 GPT2_ARCH = "GPT2LMHeadModel"
+# every name an export writes at its top level (the tokenizer files where the tokenizer has
+# them), and in qkvlab_tokenizer/: what a re-export may replace
+HF_TOKENIZER_NAMES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
+                      "special_tokens_map.json")
+EXPORT_NAMES = frozenset({WEIGHTS_FILE, CONFIG_FILE, *HF_TOKENIZER_NAMES})
+QKVLAB_TOKENIZER_NAMES = frozenset({"meta.json", *TOKENIZER_FILES})
 
 
 @dataclass
@@ -132,6 +138,26 @@ def _check_out_dir(out: Path, source: Path) -> None:
             # the folder is replaced as a whole: never replace someone else's
             raise QkvlabError(f"OUT_DIR {out} exists, is not empty and is not a qkvlab export: "
                               "choose a new folder")
+        added = _not_exported(out)
+        if added:  # ... nor what was added to an earlier export
+            shown = ", ".join(added[:4]) + (f" and {len(added) - 4} more" if len(added) > 4
+                                            else "")
+            raise QkvlabError(f"OUT_DIR {out} is an earlier export that also holds {shown}, "
+                              "which qkvlab did not write and a new export would delete: move "
+                              "them out, or choose a new folder")
+
+
+def _not_exported(out: Path) -> list[str]:
+    """What is in an export folder that no export writes (sorted; a folder ends in /)."""
+    found = []
+    for entry in sorted(out.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and entry.name == QKVLAB_TOKENIZER_DIR:
+            found += [f"{entry.name}/{e.name}" + ("/" if e.is_dir() else "")
+                      for e in sorted(entry.iterdir())
+                      if e.name not in QKVLAB_TOKENIZER_NAMES or not e.is_file()]
+        elif entry.name not in EXPORT_NAMES or not entry.is_file() or entry.is_symlink():
+            found.append(entry.name + ("/" if entry.is_dir() else ""))
+    return found
 
 
 def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -147,6 +173,7 @@ def write_model_dir(out: Path, config: dict[str, Any], tensors: dict[str, torch.
     tmp.mkdir()
     try:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        follow_umask(tmp / WEIGHTS_FILE)
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         for name, data in (files or {}).items():
             (tmp / name).write_bytes(data)

@@ -32,6 +32,7 @@ from qkvlab.hf.sizes import check_sizes
 from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
+from qkvlab.model.parametrization import folded_for_export
 
 GPT2_EPS = 1e-5  # transformers' default layer_norm_epsilon, and nn.LayerNorm's (qkvlab's)
 # qkvlab activation -> transformers `activation_function` that computes the same thing.
@@ -102,13 +103,12 @@ def to_gpt2(model: GPT, *, eot_token: int | None = None,
     Raises QkvlabError (one line, the reason) when the architecture cannot be expressed.
     Tensors keep the model's dtype and live on the CPU.
     """
-    cfg = model.cfg
+    cfg, sd = folded_for_export(model)  # a tied μP head untied, its multiplier in
     problem = export_problem(cfg)
     if problem is not None:
         raise QkvlabError(f"cannot export as GPT-2: {problem}; no exact export exists (train "
                           "with a GPT-2-compatible config, see docs/hf.md)")
     d = cfg.n_embd
-    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     ref = sd["wte.weight"]
     zeros = lambda n: torch.zeros(n, dtype=ref.dtype)  # noqa: E731 - local shorthand
     out: dict[str, torch.Tensor] = {}

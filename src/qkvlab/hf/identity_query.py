@@ -1,7 +1,7 @@
 """W_Q = I inside a transformers model: `identity_query(model, scale=...)`.
 
     model = LlamaForCausalLM(config)          # or GPT2LMHeadModel, or .from_pretrained(dir)
-    identity_query(model, scale="paper")      # W_Q = I from scratch, at qkvlab's "paper" scale
+    identity_query(model, scale="standard")   # W_Q = I from scratch, at the standard 1/sqrt(d_k)
     Trainer(model=model, ...).train()         # nothing else changes
     model.save_pretrained(out)                # a plain folder: q_proj = r I written out
 
@@ -30,6 +30,7 @@ from torch import nn
 
 from qkvlab.errors import QkvlabError, require
 from qkvlab.hf.identity_modules import IdentityQueryCAttn, ScaledQuery, head_factors
+from qkvlab.model.config import checked_scale_setting
 from qkvlab.model.scale import attention_scale, learns_scale
 
 # model_type -> what identity_query knows of it (GPT-2's cross-attention has its own q_attn)
@@ -137,9 +138,11 @@ def _fresh(sites: list[_Site], model: nn.Module, setting: float | str
     """Ratios (and unit gains for a learned rule) for W_Q = I from scratch at `setting`."""
     config = model.config
     d_head = sites[0].d_head
-    s = attention_scale(setting, "q-identity", config.hidden_size, d_head,
-                        float(getattr(config, "initializer_range", 0.02)))
-    require(s > 0, f"scale must be positive, got {setting!r}")
+    init_std = float(getattr(config, "initializer_range", 0.02))
+    # the bounds and spellings a qkvlab config's model.attn_scale is held to
+    setting = checked_scale_setting(setting, "q-identity", config.hidden_size, d_head, init_std,
+                                    name="scale")
+    s = attention_scale(setting, "q-identity", config.hidden_size, d_head, init_std)
     gain = torch.ones(config.num_attention_heads) if learns_scale(setting) else None
     return [s / float(site.attn.scaling) for site in sites], [gain] * len(sites)
 

@@ -29,6 +29,7 @@ from qkvlab.hf.sizes import check_sizes
 from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig
 from qkvlab.model.gpt import GPT
+from qkvlab.model.parametrization import folded_for_export
 
 LLAMA_ARCH = "LlamaForCausalLM"
 QKVLAB_KEY = "qkvlab"  # config.json entry recording where an export came from
@@ -100,12 +101,11 @@ def llama_config(cfg: ModelConfig, *, dtype: torch.dtype, eot_token: int | None,
 def to_llama(model: GPT, *, eot_token: int | None = None,
              extra: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(config.json dict, safetensors tensors) of the LlamaForCausalLM equal to `model`."""
-    cfg = model.cfg
+    cfg, sd = folded_for_export(model)  # a tied μP head untied, its multiplier in
     problem = llama_problem(cfg)
     if problem is not None:
         raise QkvlabError(f"cannot export as Llama: {problem}; no exact export exists (see "
                           "docs/hf.md)")
-    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     ref = sd["wte.weight"]
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": ref,
                                     "model.norm.weight": sd["norm_f.weight"]}

@@ -59,6 +59,21 @@ SAVED_DEFAULTS: dict[str, Any] = {"attn_scale": "paper", "attn_impl": "sdpa"}
 # Of those, the keys that records written before the rule names stored as null, as sweep
 # fingerprints still hash them (experiments/spec.py).
 NULL_IN_OLD_RECORDS: tuple[str, ...] = ("attn_scale",)
+# model.parametrization (model/parametrization.py holds what each one does)
+PARAMETRIZATIONS: tuple[str, ...] = ("standard", "mup")
+# model.depth_scaling -> alpha, the exponent of the residual branch multiplier (L0 / L)^alpha
+DEPTH_ALPHA: dict[str, float] = {"none": 0.0, "depth-mup": 0.5, "completep": 1.0}
+# model.attn_zero_init: which logit factor's weight starts at zero, so that attention starts
+# uniform (μP's zero query; where the query is the identity the key is the nearest analogue)
+ZERO_INITS: tuple[str, ...] = ("none", "query", "key")
+# Keys added after sweeps were archived, at the values that mean what those sweeps ran: a
+# fingerprint leaves them out at these values, so it stays what it was (experiments/spec.py).
+FINGERPRINT_NEUTRAL: dict[str, Any] = {"parametrization": "standard", "base_width": None,
+                                       "base_depth": None, "depth_scaling": None,
+                                       "attn_zero_init": "none"}
+# depth_scaling unset: none under "standard"; under "mup" the rule whose activations and
+# updates the coordinate check found flat from 2 to 16 layers (docs/theory.md section 7)
+DEFAULT_DEPTH_SCALING: dict[str, str] = {"standard": "none", "mup": "completep"}
 
 
 def kernel_for(attn_impl: str, device_type: str, dtype: str, context: int,
@@ -90,9 +105,12 @@ def migrate_model_table(table: Any) -> Any:
 
 def old_record_nulls(table: dict[str, Any]) -> dict[str, Any]:
     """The inverse for fingerprints: a NULL_IN_OLD_RECORDS key holding its saved default is
-    written as null, as records made before the rule names hold it."""
-    return {**table, **{k: None for k in NULL_IN_OLD_RECORDS
-                        if table.get(k) == SAVED_DEFAULTS[k]}}
+    written as null, as records made before the rule names hold it, and a FINGERPRINT_NEUTRAL
+    key at its neutral value is left out, as records made before it existed lack it."""
+    kept = {k: v for k, v in table.items()
+            if not (k in FINGERPRINT_NEUTRAL and v == FINGERPRINT_NEUTRAL[k])}
+    return {**kept, **{k: None for k in NULL_IN_OLD_RECORDS
+                       if table.get(k) == SAVED_DEFAULTS[k]}}
 
 
 def _positive_int(value: Any) -> bool:
@@ -116,6 +134,31 @@ def shown(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 100:
         return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
     return repr(value)
+
+
+def checked_scale_setting(setting: Any, projection: str, d: int, d_k: int, init_std: float,
+                          name: str = "attn_scale") -> float | str:
+    """`setting` (an attention scale setting called `name`) in its one spelling, or a one-line
+    refusal: it must be a rule, A/sqrt(d_k) or a finite number (not a bool), and the scale it
+    gives this shape must lie in SCALE_BOUNDS. The one check of a config's model.attn_scale
+    and of hf.identity_query's scale=."""
+    low, high = SCALE_BOUNDS
+    if isinstance(setting, str):
+        learns_scale(setting)  # refuses a name that is not a rule, listing the rules
+        setting = canonical(setting)
+        scale = attention_scale(setting, projection, d, d_k, init_std)
+        fix = ("a smaller A" if alpha_of(setting) is not None
+               else f"init_std nearer 0.02 or {name} to a number")
+        require(low <= scale <= high,
+                f"{name} = {setting} gives {scale:.3g} for this shape (init_std="
+                f"{init_std:g}), outside [{low:g}, {high:g}]: set {fix}")
+        return setting
+    number = finite_number(setting)
+    require(number is not None and low <= number <= high,
+            f"{name} must be a number in [{low:g}, {high:g}], A/sqrt(d_k) or one "
+            f"of {', '.join(SCALE_RULES)}, got {shown(setting)}")
+    # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
+    return number
 
 
 @dataclass(frozen=True)
@@ -147,10 +190,19 @@ class ModelConfig:
     share_layers: bool = False  # one block applied n_layer times (ALBERT-style)
     causal: bool = True  # False: bidirectional encoder
     projection: str = "baseline"
-    # a number, "A/sqrt(d_k)", or a rule of model/scale.py's SCALE_RULES
-    attn_scale: float | str = "paper"
+    # a number, "A/sqrt(d_k)", or a rule of model/scale.py's SCALE_RULES. The default is the
+    # standard 1/sqrt(d_k) for every scheme: the paper's halving for an identity query or key
+    # ("paper", its labelled recipe) cost 5-8% at d = 128 (docs/results/english-scale)
+    attn_scale: float | str = "standard"
     attn_impl: str = "auto"  # see ATTN_IMPLS
     init_std: float = 0.02
+    # how init, lr and decay scale with the shape (model/parametrization.py): "standard" or
+    # "mup", relative to the base shape (None: this model's own width / depth)
+    parametrization: str = "standard"
+    base_width: int | None = None
+    base_depth: int | None = None
+    depth_scaling: str | None = None  # none | depth-mup | completep; None: DEFAULT_DEPTH_SCALING
+    attn_zero_init: str = "none"  # none | query | key: that logit factor's weight starts at 0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -192,6 +244,11 @@ class ModelConfig:
                                self.init_std)
 
     @property
+    def depth_rule(self) -> str:
+        """The depth scaling in force (depth_scaling, or its default for the parametrization)."""
+        return self.depth_scaling or DEFAULT_DEPTH_SCALING[self.parametrization]
+
+    @property
     def alpha(self) -> float:
         """The scale over the standard 1/sqrt(d_k): the coordinate of the scale scans."""
         return self.scale * math.sqrt(self.d_head)
@@ -218,7 +275,7 @@ class ModelConfig:
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             value = getattr(self, name)
             require(_positive_int(value), f"{name} must be a positive integer, got {value!r}")
-        for name in ("n_kv_head", "head_dim", "mlp_hidden"):
+        for name in ("n_kv_head", "head_dim", "mlp_hidden", "base_width", "base_depth"):
             value = getattr(self, name)
             require(value is None or _positive_int(value),
                   f"{name} must be a positive integer or unset, got {value!r}")
@@ -242,28 +299,22 @@ class ModelConfig:
     def _check_choices(self) -> None:
         for name, allowed in (("projection", PROJECTIONS), ("activation", ACTIVATIONS),
                               ("mlp", MLPS), ("norm", NORMS), ("positions", POSITIONS),
-                              ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS)):
+                              ("residual", RESIDUALS), ("attn_impl", ATTN_IMPLS),
+                              ("parametrization", PARAMETRIZATIONS),
+                              ("attn_zero_init", ZERO_INITS)):
             value = getattr(self, name)
             require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+        require(self.depth_scaling is None or self.depth_scaling in DEPTH_ALPHA,
+                f"depth_scaling={self.depth_scaling!r} is not one of {', '.join(DEPTH_ALPHA)}")
+        zeroed = {"query": ("q-identity", "nonlinear-q"), "key": ("k-identity",)}
+        require(self.projection not in zeroed.get(self.attn_zero_init, ()),
+                f"attn_zero_init={self.attn_zero_init!r} needs a learned W_"
+                f"{self.attn_zero_init[0].upper()}, which projection={self.projection} has not: "
+                f"use attn_zero_init = \"{'key' if self.attn_zero_init == 'query' else 'query'}\"")
 
     def _check_attn_scale(self) -> None:
-        value = self.attn_scale
-        low, high = SCALE_BOUNDS
-        if isinstance(value, str):
-            learns_scale(value)  # refuses a name that is not a rule, listing the rules
-            object.__setattr__(self, "attn_scale", canonical(value))
-            fix = ("a smaller A" if alpha_of(value) is not None
-                   else "init_std nearer 0.02 or attn_scale to a number")
-            require(low <= self.scale <= high,
-                    f"attn_scale = {value} gives {self.scale:.3g} for this shape (init_std="
-                    f"{self.init_std:g}), outside [{low:g}, {high:g}]: set {fix}")
-            return
-        number = finite_number(value)
-        require(number is not None and low <= number <= high,
-                f"attn_scale must be a number in [{low:g}, {high:g}], A/sqrt(d_k) or one "
-                f"of {', '.join(SCALE_RULES)}, got {shown(value)}")
-        # one spelling for one scale: 1 and 1.0 must hash alike in sweep fingerprints
-        object.__setattr__(self, "attn_scale", number)
+        object.__setattr__(self, "attn_scale", checked_scale_setting(
+            self.attn_scale, self.projection, self.n_embd, self.d_head, self.init_std))
 
     def _check_shapes(self) -> None:
         h, hkv, dk, d = self.n_head, self.kv_heads, self.d_head, self.n_embd

@@ -6,7 +6,6 @@ Shapes: B batch, T time, d = n_embd, H heads, Hkv key/value heads, dk head size.
 
 from __future__ import annotations
 
-import math
 from dataclasses import fields
 
 import torch
@@ -17,6 +16,11 @@ from qkvlab.errors import require
 from qkvlab.model.attention_kernels import eager_attention
 from qkvlab.model.attention_layout import AttentionLayout, Projections
 from qkvlab.model.config import ModelConfig, kernel_for
+from qkvlab.model.parametrization import (
+    base_std,
+    parameter_table,
+    readout_multiplier,
+)
 
 
 def make_norm(kind: str, dim: int, bias: bool, eps: float | None = None) -> nn.Module:
@@ -279,6 +283,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_blocks))
         self.norm_f = make_norm(cfg.norm, cfg.n_embd, cfg.bias, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.readout_mult = readout_multiplier(cfg)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         if cfg.positions == "rope":
@@ -288,23 +293,33 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """N(0, std) everywhere; residual output projections at std / sqrt(2 n_layer)."""
-        std = self.cfg.init_std
+        """Matrices and tables N(0, std), std from the parametrization's table (init_std, or
+        GPT-2's init_std / sqrt(2 L) on residual outputs, times the μP factors); gains 1,
+        biases 0; with attn_zero_init, W_Q (or W_K) 0. The draws keep the order of GPT-2's
+        init (residual outputs drawn twice), so a seed gives the weights it always gave."""
+        stds = {id(self.get_parameter(r.name)): base_std(self.cfg, r.name) * r.scaling.init
+                for r in parameter_table(self, self.cfg)}
         for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                if module.weight is not None:
-                    nn.init.ones_(module.weight)
+            if isinstance(module, nn.Linear | nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, stds[id(module.weight)])
+            if isinstance(module, nn.Linear | nn.LayerNorm | nn.RMSNorm):
                 if getattr(module, "bias", None) is not None:
                     nn.init.zeros_(module.bias)
+            if isinstance(module, nn.LayerNorm | nn.RMSNorm) and module.weight is not None:
+                nn.init.ones_(module.weight)
         for block in self.blocks:
             for proj in (block.attn.out_proj, block.mlp.fc_out):
-                nn.init.normal_(proj.weight, 0.0, std / math.sqrt(2 * self.cfg.n_layer))
+                nn.init.normal_(proj.weight, 0.0, stds[id(proj.weight)])
+            if self.cfg.attn_zero_init != "none":  # uniform attention at init
+                w = block.attn.projections()
+                (w.w_q if self.cfg.attn_zero_init == "query" else w.w_k).detach().zero_()
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """The logits of final-norm output h: the LM head, after the readout multiplier a
+        tied head carries under μP (a constant, skipped where it is 1)."""
+        if self.readout_mult != 1.0:
+            h = h * self.readout_mult
+        return self.lm_head(h)
 
     def layers(self):
         """(layer index, block) for each of the n_layer applications (shared blocks repeat)."""
@@ -343,7 +358,7 @@ class GPT(nn.Module):
         h = self.hidden_states(idx, cache, start_pos)
         if last_only and targets is None:
             h = h[:, -1:]
-        logits = self.lm_head(h)
+        logits = self.head(h)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(

@@ -80,7 +80,8 @@ class Rule:
 W_Q_IDENTITY: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "paper"}
 W_Q_IDENTITY_STANDARD: Mapping[str, Any] = {"projection": "q-identity", "attn_scale": "standard"}
 # Each arm's best attention scale at `qkvlab compare`'s quick shape (4x128, d_k = 32, 1,200
-# steps of tinyshakespeare; spec compare-quick-scale, 3 seeds, docs/results/README.md), as
+# steps of tinyshakespeare; spec compare-quick-scale, 3 seeds,
+# docs/results/compare-quick-scale/README.md), as
 # alpha / sqrt(d_k): what compare runs, so neither arm is compared at a scale that handicaps it
 TUNED_BASELINE_SCALE = "4/sqrt(d_k)"
 TUNED_Q_IDENTITY_SCALE = "2.83/sqrt(d_k)"

@@ -38,7 +38,7 @@ from torch import nn
 
 from qkvlab import __version__
 from qkvlab.errors import QkvlabError
-from qkvlab.fsutil import fsync_dir, fsync_file, sha256_file
+from qkvlab.fsutil import follow_umask, fsync_dir, fsync_file, sha256_file
 from qkvlab.model import ModelConfig
 from qkvlab.run import guard
 from qkvlab.run.config import RunConfig, as_recorded, read_config_source, saved_config
@@ -162,11 +162,13 @@ def _write_files(tmp: Path, model: dict[str, torch.Tensor], cfg: RunConfig,
     files = [MODEL_FILE]
     save_file(model_tensors(model, cfg.model.tie_embeddings), str(tmp / MODEL_FILE),
               metadata={"format": "pt"})
+    follow_umask(tmp / MODEL_FILE)
     on_write_stage("model written")
     opt_json = None
     if optimizer is not None:
         opt_tensors, opt_json = optimizer_payload(optimizer)
         save_file(opt_tensors, str(tmp / OPTIM_FILE), metadata={"format": "pt"})
+        follow_umask(tmp / OPTIM_FILE)
         files.append(OPTIM_FILE)
         on_write_stage("optimizer written")
     info = dict(state or {})

@@ -12,6 +12,7 @@ import math
 import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
+from fractions import Fraction
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from qkvlab.data.loader import ORDERS
 from qkvlab.errors import QkvlabError, require
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.model.config import ModelConfig, coerce, from_table, migrate_model_table, shown
+from qkvlab.model.params import flops_per_token
 from qkvlab.run.layout import CONFIG_FILE
 
 # "auto": bf16 where the device has native bf16 matmuls, else fp32 (run/device.py)
@@ -45,6 +47,24 @@ WANDB_NAME = re.compile(r"[^/\\#?%:\s]{1,128}")
 # (64-bit signed) integer, so a seed is in [0, 2**63 - 1]
 SEED_MAX = (1 << 63) - 1
 SEED_RANGE = "[0, 2**63 - 1]"
+# What train.max_steps and optim.warmup_steps mean when a config leaves them (and the key that
+# replaces each) unset.
+DEFAULT_MAX_STEPS = 5000
+DEFAULT_WARMUP_STEPS = 100
+# Keys of which a config gives one: the run's length as steps or as a FLOP budget (whose steps
+# are also the schedule's horizon, so it excludes optim.decay_steps too), the warmup as steps or
+# as a share of the run. Both in one config are refused; a `--set` or a sweep variant that sets
+# a key drops the keys it replaces from the layer below (apply_overrides, set_key).
+REPLACES: dict[str, tuple[str, ...]] = {
+    "train.max_steps": ("train.flop_budget",),
+    "train.flop_budget": ("train.max_steps", "optim.decay_steps"),
+    "optim.warmup_steps": ("optim.warmup_fraction",),
+    "optim.warmup_fraction": ("optim.warmup_steps",),
+}
+# Keys added after sweeps were archived, at the values that mean what those sweeps ran: a
+# sweep's fingerprint leaves them out at these values (experiments/spec.py), as
+# model.config.FINGERPRINT_NEUTRAL does for [model].
+FINGERPRINT_NEUTRAL: dict[str, Any] = {"train.flop_budget": None, "optim.warmup_fraction": None}
 
 
 def valid_seed(value: Any) -> bool:
@@ -86,8 +106,11 @@ class OptimConfig:
 
     lr: float = 6e-4
     min_lr: float = 6e-5
-    warmup_steps: int = 100
-    # Cosine horizon; None means train.max_steps. May exceed max_steps (the paper: 600k vs 105k).
+    warmup_steps: int | None = None  # None: DEFAULT_WARMUP_STEPS, unless warmup_fraction is set
+    # the warmup as a share of the run's steps (RunConfig.warmup_steps, rounded): a schedule
+    # that keeps its shape when train.flop_budget sets the length. Replaces warmup_steps.
+    warmup_fraction: float | None = None
+    # Cosine horizon; None means the run's steps. May exceed them (the paper: 600k vs 105k).
     decay_steps: int | None = None
     weight_decay: float = 0.1
     beta1: float = 0.9
@@ -100,11 +123,21 @@ class OptimConfig:
                 f"invalid config: optim.lr must be > 0, got {self.lr}")
         require(0 <= self.min_lr <= self.lr,
                 f"invalid config: optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
-        require(self.warmup_steps >= 0,
-                f"invalid config: optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        require(self.decay_steps is None or self.decay_steps > self.warmup_steps,
-                f"invalid config: optim.decay_steps must exceed warmup_steps="
-                f"{self.warmup_steps} or be unset, got {self.decay_steps}")
+        if self.warmup_fraction is None:
+            if self.warmup_steps is None:
+                self.warmup_steps = DEFAULT_WARMUP_STEPS
+            require(self.warmup_steps >= 0,
+                    f"invalid config: optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+            require(self.decay_steps is None or self.decay_steps > self.warmup_steps,
+                    f"invalid config: optim.decay_steps must exceed warmup_steps="
+                    f"{self.warmup_steps} or be unset, got {self.decay_steps}")
+        else:
+            require(self.warmup_steps is None,
+                    "invalid config: optim.warmup_steps and optim.warmup_fraction are both set: "
+                    "keep one (the fraction sizes the warmup to the run's steps)")
+            require(0 <= self.warmup_fraction < 1,
+                    f"invalid config: optim.warmup_fraction must be in [0, 1), got "
+                    f"{self.warmup_fraction}")
         require(self.weight_decay >= 0,
                 f"invalid config: optim.weight_decay must be >= 0, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
@@ -119,12 +152,20 @@ class OptimConfig:
 class TrainConfig:
     """Loop length, batch shape, evaluation, logging, checkpoints, numerics and device."""
 
-    max_steps: int = 5000
+    max_steps: int | None = None  # None: DEFAULT_MAX_STEPS, unless flop_budget is set
+    # Training FLOPs the run may spend, as qkvlab counts them (model/params.py's
+    # flops_per_token x tokens per step x steps): the steps are the most it pays for, and the
+    # lr schedule's horizon follows them (RunConfig.steps). Replaces max_steps.
+    flop_budget: float | None = None
     batch_size: int = 64  # sequences per micro-batch
     grad_accum: int = 1  # micro-batches per optimizer step
     eval_interval: int = 250  # also evaluates at step 0 and at the end
     eval_windows: int = 256  # fixed val windows of block_size tokens, the same for every run
     eval_batch_size: int | None = None  # None means batch_size
+    # After the last step, the val loss over this many target tokens in windows spread over
+    # the whole val split (all of it when it holds fewer), per part of the corpus where the
+    # data records them: summary.json's final_val_loss_long. 0 turns it off.
+    final_eval_tokens: int = 1 << 20
     log_interval: int = 10
     ckpt_interval: int = 1000  # also checkpoints at the end and on SIGINT/SIGTERM
     keep_last: int = 2  # ckpt-* folders kept, besides best/
@@ -148,10 +189,24 @@ class TrainConfig:
     mlm_prob: float = 0.15  # mlm: share of positions selected for prediction
 
     def __post_init__(self) -> None:
+        if self.flop_budget is None:
+            if self.max_steps is None:
+                self.max_steps = DEFAULT_MAX_STEPS
+        else:
+            require(self.max_steps is None,
+                    "invalid config: train.max_steps and train.flop_budget are both set: keep "
+                    "one (the budget decides the number of steps)")
+            require(self.flop_budget > 0, f"invalid config: train.flop_budget must be > 0 "
+                                          f"(training FLOPs) or unset, got {self.flop_budget}")
         for name in ("max_steps", "batch_size", "grad_accum", "eval_interval", "eval_windows",
                      "log_interval", "ckpt_interval", "keep_last", "max_nonfinite"):
             value = getattr(self, name)
+            if value is None:  # max_steps under a flop budget
+                continue
             require(value >= 1, f"invalid config: train.{name} must be >= 1, got {value}")
+        require(self.final_eval_tokens >= 0,
+                f"invalid config: train.final_eval_tokens must be >= 0 (0 turns the final "
+                f"long evaluation off), got {self.final_eval_tokens}")
         require(self.eval_batch_size is None or self.eval_batch_size >= 1,
                 f"invalid config: train.eval_batch_size must be >= 1 or unset, got "
                 f"{self.eval_batch_size}")
@@ -189,6 +244,26 @@ class RunConfig:
         require(self.train.objective != "mlm" or not self.model.causal,
                 "invalid config: train.objective = mlm needs a bidirectional encoder: set "
                 "model.causal = false")
+        budget = self.train.flop_budget
+        if budget is not None:
+            require(self.optim.decay_steps is None,
+                    "invalid config: optim.decay_steps and train.flop_budget are both set: the "
+                    "budget's steps are the schedule's horizon; drop optim.decay_steps")
+            per_step = self.flops_per_step
+            require(self.steps >= 1,
+                    f"invalid config: train.flop_budget = {budget:.4g} FLOPs does not pay for "
+                    f"one step of this model ({per_step:.4g} FLOPs: "
+                    f"{flops_per_token(self.model):.4g} per token x {self.tokens_per_step:,} "
+                    "tokens): raise the budget or shrink the model or the batch")
+            # a schedule fitted to the budget decays after its warmup
+            require(self.steps > self.warmup_steps,
+                    f"invalid config: train.flop_budget = {budget:.4g} FLOPs buys "
+                    f"{self.steps} steps, no more than the warmup's {self.warmup_steps}: set "
+                    "optim.warmup_fraction (e.g. 0.1) or fewer optim.warmup_steps")
+        decay = self.optim.decay_steps
+        require(decay is None or decay > self.warmup_steps,
+                f"invalid config: optim.decay_steps must exceed the warmup's "
+                f"{self.warmup_steps} steps or be unset, got {decay}")
 
     def on_device(self, device_type: str) -> RunConfig:
         """This config with model.attn_impl = "auto" made the kernel of `device_type` and
@@ -201,9 +276,37 @@ class RunConfig:
         return Path(self.out_dir) if self.out_dir else Path("runs") / self.name
 
     @property
+    def steps(self) -> int:
+        """The optimizer steps the run trains: train.max_steps, or the most whole steps that
+        train.flop_budget pays for. What the trainer, resume, sweeps and reports all read."""
+        budget = self.train.flop_budget
+        if budget is None:
+            return self.train.max_steps  # type: ignore[return-value]  # set without a budget
+        return budget_steps(budget, self.flops_per_step)
+
+    @property
+    def flops_per_step(self) -> float:
+        """Training FLOPs of one optimizer step, as qkvlab counts them (model/params.py)."""
+        return flops_per_token(self.model, training=True) * self.tokens_per_step
+
+    @property
+    def train_flops(self) -> float:
+        """Training FLOPs of the whole run (at most train.flop_budget where one is set)."""
+        return self.steps * self.flops_per_step
+
+    @property
+    def warmup_steps(self) -> int:
+        """The warmup actually used: optim.warmup_steps, or warmup_fraction of the steps."""
+        fraction = self.optim.warmup_fraction
+        if fraction is None:
+            return self.optim.warmup_steps  # type: ignore[return-value]  # set without one
+        return round(fraction * self.steps)
+
+    @property
     def decay_steps(self) -> int:
-        """The cosine horizon actually used."""
-        return self.optim.decay_steps or self.train.max_steps
+        """The cosine horizon actually used: optim.decay_steps, else the run's steps (under a
+        flop budget always those: the schedule fitted to the budget)."""
+        return self.optim.decay_steps or self.steps
 
     @property
     def tokens_per_step(self) -> int:
@@ -256,6 +359,11 @@ class RunConfig:
             name=name,
             out_dir=out_dir or None,
         )
+
+
+def budget_steps(budget: float, flops_per_step: float) -> int:
+    """floor(budget / flops_per_step), exactly: a budget of k steps' FLOPs buys k steps."""
+    return math.floor(Fraction(budget) / Fraction(flops_per_step))
 
 
 # ---- presets ------------------------------------------------------------------------------
@@ -380,11 +488,22 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 f"unknown section {section!r} in --set {item}; valid sections: "
                 f"{', '.join(SECTIONS)}"
             )
-        table = out.setdefault(section, {})
-        if not isinstance(table, dict):
-            raise QkvlabError(f"[{section}] in the config is not a table: fix the config file")
-        table[key] = value
+        set_key(out, section, key, value)
     return out
+
+
+def set_key(data: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """data[section][key] = value in a raw config dict, dropping the key it replaces
+    (REPLACES): a later layer's length or warmup replaces the one below it."""
+    table = data.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise QkvlabError(f"[{section}] in the config is not a table: fix the config file")
+    table[key] = value
+    for other in REPLACES.get(f"{section}.{key}", ()):
+        other_section, _, other_key = other.partition(".")
+        other_table = data.get(other_section)
+        if isinstance(other_table, dict):
+            other_table.pop(other_key, None)
 
 
 def _field_type(section: str, key: str) -> str:
@@ -435,6 +554,7 @@ def save_config(cfg: RunConfig, path: str | Path) -> Path:
 RESUME_HARMLESS = frozenset({
     "run.name", "run.out_dir", "data.dir", "data.prepare_if_missing",
     "train.max_steps", "train.eval_interval", "train.eval_windows", "train.eval_batch_size",
+    "train.final_eval_tokens",
     "train.log_interval", "train.ckpt_interval", "train.keep_last", "train.compile",
     "train.device", "train.max_nonfinite", "train.peak_flops", "train.tensorboard",
     "train.wandb", "train.wandb_project", "train.wandb_entity",
@@ -444,14 +564,24 @@ RESUME_HARMLESS = frozenset({
 })
 
 
-def config_diff(saved: RunConfig, now: RunConfig) -> list[str]:
-    """The trajectory-deciding keys where `now` differs from `saved`, in words."""
+# Keys in which a finished run may differ from the config a command asks for and still be its
+# answer (compare and sweep reuse finished runs): RESUME_HARMLESS less what the results are
+# measured at, the run's length and its evaluations.
+REUSE_HARMLESS = RESUME_HARMLESS - {"train.max_steps", "train.eval_interval",
+                                    "train.eval_windows"}
+
+
+def config_diff(saved: RunConfig, now: RunConfig,
+                harmless: frozenset[str] = RESUME_HARMLESS) -> list[str]:
+    """The keys outside `harmless` where `now` differs from `saved`, in words: by default the
+    trajectory-deciding ones (what a resume checks); with REUSE_HARMLESS, what a finished run
+    must match to be reused."""
     a, b = saved.to_dict(), now.to_dict()
     diffs = []
     for section in a:
         for key in sorted(set(a[section]) | set(b.get(section, {}))):
             name = f"{section}.{key}"
             old, new = a[section].get(key), b.get(section, {}).get(key)
-            if name not in RESUME_HARMLESS and old != new:
+            if name not in harmless and old != new:
                 diffs.append(f"{name} (saved {old!r}, now {new!r})")
     return diffs

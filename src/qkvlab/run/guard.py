@@ -68,7 +68,10 @@ def storage_message(doing: str, exc: BaseException, last_good: os.PathLike | str
     """One line: what failed, why, that the last good checkpoint is intact, how to go on."""
     where = (f"the last good checkpoint {last_good} is intact" if last_good is not None
              else "no other checkpoint was touched")
-    fix = "free some space" if os_errno(exc) in (errno.ENOSPC, errno.EDQUOT) else "fix the disk"
+    code = os_errno(exc)
+    fix = ("free some space" if code in (errno.ENOSPC, errno.EDQUOT)
+           else "give this user write permission there" if code in (errno.EACCES, errno.EPERM)
+           else "fix the disk")
     resume = f", then resume with `qkvlab train {run_dir} --resume`" if run_dir else ""
     return f"{doing} failed: {describe_os_error(exc)}; {where}: {fix}{resume}"
 

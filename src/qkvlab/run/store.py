@@ -104,7 +104,9 @@ def storage_error(exc: OSError, run_dir: Path) -> QkvlabError | None:
         return exc
     if not guard.is_storage_error(exc):
         return None
-    what = f"writing {exc.filename}" if getattr(exc, "filename", None) else "writing the run"
+    name = getattr(exc, "filename", None)
+    # some libraries (TensorBoard's writer) give the name as bytes: shown as the path it is
+    what = f"writing {os.fsdecode(name)}" if name else "writing the run"
     return QkvlabError(guard.storage_message(what, exc, last_good_checkpoint(run_dir), run_dir))
 
 

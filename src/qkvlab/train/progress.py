@@ -12,7 +12,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from qkvlab.fsutil import can_write
 from qkvlab.run.layout import TB_DIR
+from qkvlab.train.wandb_log import warn
 
 
 def fmt_eta(seconds: float) -> str:
@@ -63,13 +65,23 @@ class Reporter:
 
 
 def open_tensorboard(run_dir: Path, purge_step: int | None):
-    """A SummaryWriter into RUN_DIR/tb, or None without the tensorboard package."""
+    """A SummaryWriter into RUN_DIR/tb, or None without the tensorboard package, or (after one
+    warning line, as for W&B) when tb/ cannot be written."""
     try:
         # optional dependency (the tensorboard extra)
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(run_dir / TB_DIR), purge_step=purge_step)
+    tb = run_dir / TB_DIR
+    # checked here: the writer's own thread would print its traceback before failing
+    problem = ("is not a folder" if tb.exists() and not tb.is_dir()
+               else "is not writable (permission denied)" if tb.is_dir() and not can_write(tb)
+               else None)
+    if problem:
+        warn(f"TensorBoard is off for this session: {tb} {problem}; make it a folder this "
+             "user can write to log there (metrics.jsonl has every value)")
+        return None
+    return SummaryWriter(str(tb), purge_step=purge_step)
 
 
 class StopFlag:

@@ -61,6 +61,7 @@ class Session:
     peak: float  # peak FLOP/s of all devices, for MFU
     peak_src: str
     clock: Throughput = field(default_factory=Throughput)
+    long_val: dict[str, Any] | None = None  # the final long evaluation (train/long_eval.py)
     # opened by open_outputs, closed by close_outputs
     metrics: Any = None
     tb: Any = None
@@ -202,7 +203,7 @@ def announce(s: Session) -> None:
     tc = s.cfg.train
     s.say(f"run {s.run_dir}: {s.params.total:,} params ({s.params.non_embedding:,} "
           f"non-embedding), {s.cfg.tokens_per_step:,} tokens/step, {s.device.type} {tc.dtype}, "
-          f"steps {s.start_step}->{tc.max_steps}, peak {s.peak / 1e12:.3g} TFLOP/s "
+          f"steps {s.start_step}->{s.cfg.steps}{_budget(s.cfg)}, peak {s.peak / 1e12:.3g} TFLOP/s "
           f"({s.peak_src})")
     # only where the peak was measured: a configured one (tests, clusters) costs no matmuls
     slowdown = bf16_slowdown(s.device) if tc.dtype == "bf16" and s.peak_src.startswith(
@@ -216,6 +217,14 @@ def announce(s: Session) -> None:
               "per step")
 
 
+def _budget(cfg: RunConfig) -> str:
+    """What a flop budget buys, for the run's line ("" without one)."""
+    budget = cfg.train.flop_budget
+    if budget is None:
+        return ""
+    return f" (flop budget {budget:.4g}: {cfg.train_flops:.4g} FLOPs trained)"
+
+
 def open_outputs(s: Session) -> None:
     """metrics.jsonl (cut back to the resumed step), TensorBoard, W&B and the progress display."""
     tc = s.cfg.train
@@ -224,7 +233,7 @@ def open_outputs(s: Session) -> None:
     s.tb = open_tensorboard(s.run_dir, resumed) if tc.tensorboard and s.ctx.is_main else None
     s.wandb = open_wandb(s.cfg, s.run_dir, resumed is not None, s.quiet, s.say) \
         if tc.wandb and s.ctx.is_main else None
-    s.reporter = Reporter(tc.max_steps, s.start_step, s.quiet)
+    s.reporter = Reporter(s.cfg.steps, s.start_step, s.quiet)
 
 
 def close_outputs(s: Session) -> None:

@@ -2,7 +2,8 @@
 
 `train_step` is one optimizer step; `show_step` puts a step on the display, TensorBoard and
 W&B (`log_scalar`);
-`evaluate` measures the fixed validation windows; `keep_best` writes best/ when an eval beats
+`evaluate` measures the fixed validation windows; `final_long_eval` the final weights on many
+tokens of the whole split; `keep_best` writes best/ when an eval beats
 the earlier ones; `save` writes a regular checkpoint; `check_divergence` stops a run that
 keeps failing; `summary` is what a session reports. What they judge and remember between
 steps is the session's LoopState (train/loop_state.py); what they write, its Checkpointer.
@@ -20,9 +21,11 @@ from qkvlab.errors import QkvlabError
 from qkvlab.perf import mfu
 from qkvlab.run import guard
 from qkvlab.run.device import autocast, perplexity
+from qkvlab.run.machine import machine_record
 from qkvlab.run.metrics import finite_or_null
 from qkvlab.train import objectives
-from qkvlab.train.optim import lr_at, set_lr
+from qkvlab.train.long_eval import SUMMARY_KEY, long_val_loss
+from qkvlab.train.optim import run_lr, set_lr
 from qkvlab.train.session import Session
 
 
@@ -35,7 +38,7 @@ def train_step(s: Session, step: int) -> dict[str, Any]:
     """
     cfg, par, device = s.cfg, s.par, s.device
     t0 = time.perf_counter()
-    lr = lr_at(step, cfg.optim, cfg.train.max_steps)
+    lr = run_lr(step, cfg)
     set_lr(s.optimizer, lr)
     loss_sum = torch.zeros((), device=device)
     micros = par.micro_steps()  # one process: micro-steps 0..grad_accum-1, whole
@@ -78,8 +81,8 @@ def show_step(s: Session, done: int, rec: dict[str, Any], logged: bool) -> None:
         for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
             if rec.get(key) is not None:
                 log_scalar(s, f"train/{key}", rec[key], done)
-    max_steps = s.cfg.train.max_steps
-    s.reporter.step(done, max_steps, rec, s.clock.eta(max_steps - done), logged)
+    steps = s.cfg.steps
+    s.reporter.step(done, steps, rec, s.clock.eta(steps - done), logged)
 
 
 def log_scalar(s: Session, tag: str, value: float, step: int) -> None:
@@ -110,6 +113,20 @@ def evaluate(s: Session, step: int, rec: dict[str, Any]) -> float:
                     f"{ppl if ppl is not None else math.nan:.2f}")
     log_scalar(s, "val/loss", val, step)
     return val
+
+
+def final_long_eval(s: Session) -> None:
+    """The val loss of the final weights over train.final_eval_tokens tokens spread over the
+    whole val split (train/long_eval.py), onto the display and into the scalars."""
+    long = s.long_val = long_val_loss(s.par.fwd, s.ctx, s.cfg, s.data, s.eval_batch_size)
+    if long is None or long["loss"] is None:
+        return
+    parts = ", ".join(f"{name} {v['loss']:.4f}" for name, v in long.get("by_source", {}).items()
+                      if v["loss"] is not None)
+    s.reporter.line(f"step {s.st.step} | val loss {long['loss']:.4f} over {long['tokens']:,} "
+                    f"tokens of the whole val split{f' ({parts})' if parts else ''} "
+                    f"in {long['seconds']:.1f}s")
+    log_scalar(s, "val/loss_long", long["loss"], s.st.step)
 
 
 def keep_best(s: Session, step: int, val: float) -> None:
@@ -187,6 +204,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
     return finite_or_null({
         "steps": st.step,
         "tokens": st.step * s.cfg.tokens_per_step,
+        "train_flops": st.step * s.cfg.flops_per_step,  # what a flop budget counts
         "final_val_loss": st.last_val_loss,
         "final_val_ppl": perplexity(st.last_val_loss),
         "final_val_step": st.last_val_step,  # the step whose weights final_val_loss measured
@@ -206,4 +224,7 @@ def summary(s: Session, signum: int | None) -> dict[str, Any]:
         "checkpoint": st.last_ckpt.name if st.last_ckpt else None,  # a folder of the run's
         "skipped_steps": st.skipped,
         "world_size": s.ctx.world_size,
+        # where the numbers came from: kernels differ between CPU kinds, dtypes and versions
+        "machine": machine_record(s.device),
+        SUMMARY_KEY: s.long_val,
     })

@@ -27,13 +27,14 @@ from qkvlab.run.device import on_this_device, resolve_device
 from qkvlab.run.layout import CONFIG_FILE, SUMMARY_FILE
 from qkvlab.run.lock import RunLock
 from qkvlab.train import distributed
-from qkvlab.train.optim import lr_at
+from qkvlab.train.optim import run_lr
 from qkvlab.train.progress import StopFlag
 from qkvlab.train.session import Session, close_outputs, open_outputs, setup
 from qkvlab.train.steps import (
     check_divergence,
     check_initial,
     evaluate,
+    final_long_eval,
     keep_best,
     save,
     show_step,
@@ -96,6 +97,8 @@ def train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
     open_outputs(s)
     try:
         signum = loop(s)
+        if signum is None:  # a run stopped early is measured when it finishes
+            final_long_eval(s)
     finally:
         close_outputs(s)
     out = summary(s, signum)
@@ -105,21 +108,23 @@ def train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
 
 
 def loop(s: Session) -> int | None:
-    """Train from s.start_step to max_steps; the signal's number when one stopped it early."""
+    """Train from s.start_step to the run's steps; the signal's number when one stopped it
+    early."""
     tc, st = s.cfg.train, s.st
+    steps = s.cfg.steps  # train.max_steps, or what train.flop_budget pays for
     with StopFlag() as stop:
         s.model.train()
         if s.ckpt is None:  # a fresh run: the initial weights' val loss is step 0's record
-            rec0 = {"step": 0, "tokens": 0, "lr": lr_at(0, s.cfg.optim, tc.max_steps)}
+            rec0 = {"step": 0, "tokens": 0, "lr": run_lr(0, s.cfg)}
             val0 = evaluate(s, 0, rec0)
             keep_best(s, 0, val0)
             s.metrics.write(rec0)
             check_initial(s, val0)
-        for step in range(s.start_step, tc.max_steps):
+        for step in range(s.start_step, steps):
             rec = train_step(s, step)  # looked up here at each call, so a test can wrap it
             done = step + 1
             st.stepped(done, finite=rec["loss"] is not None)
-            evaluating = _due(done, tc.eval_interval, tc.max_steps)
+            evaluating = _due(done, tc.eval_interval, steps)
             logged = evaluating or rec["loss"] is None or done % tc.log_interval == 0
             show_step(s, done, rec, logged)
             if evaluating:
@@ -134,16 +139,16 @@ def loop(s: Session) -> int | None:
                 return stop.signum or signal.SIGINT
             # no regular checkpoint inside a non-finite streak: it would rotate good ones
             # out (keep_last) in favour of the weights that keep failing
-            if _due(done, tc.ckpt_interval, tc.max_steps) and st.nonfinite == 0:
+            if _due(done, tc.ckpt_interval, steps) and st.nonfinite == 0:
                 save(s, done)
-        if s.start_step >= tc.max_steps and s.ckpt is not None:  # finished: only re-evaluate
+        if s.start_step >= steps and s.ckpt is not None:  # finished: only re-evaluate
             st.measured(st.step, val_loss(s, {}))
     return None
 
 
-def _due(done: int, interval: int, max_steps: int) -> bool:
+def _due(done: int, interval: int, steps: int) -> bool:
     """Whether something done every `interval` steps (and after the last) is due at `done`."""
-    return done % interval == 0 or done == max_steps
+    return done % interval == 0 or done == steps
 
 
 def _stopped(s: Session, done: int, signum: int | None) -> None:
