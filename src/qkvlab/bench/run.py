@@ -121,7 +121,7 @@ class Settings:
     peak_sizes: tuple[int, ...] | None
     overrides: dict[str, Any] = field(default_factory=dict)
     keep_freed_memory: bool = True  # CPU: perf.keep_freed_memory, as in training
-    # the attention kernels timed side by side; `model.attn_impl`, the default, is one of them
+    # the attention kernels timed side by side (none given: the default, model.attn_impl)
     kernels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

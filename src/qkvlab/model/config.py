@@ -44,7 +44,7 @@ ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "eager")
 # the longest context it names (None: any), the entry with the shortest such bound that covers
 # the model's context wins. benchmarks/README.md ("What attn_impl = "auto" picks") shows the
 # measurements. What is not listed gets SDPA, which every device has and every run before
-# this table trained with. (Decoding steps take SDPA whatever the kernel: see gpt.py.)
+# this table trained with. (Generation with a KV cache takes SDPA whatever the kernel: gpt.py.)
 DEFAULT_ATTN_IMPL: dict[tuple[str, str, str | None, int | None], str] = {
     ("cpu", "bf16", "amx", 256): "eager",
     ("cpu", "bf16", "amx", None): "sdpa",
