@@ -137,6 +137,67 @@ def test_repeats_interleave_schemes(monkeypatch, tmp_path):
     assert tps["values"] == [2 * 32 / 0.5] * 3
 
 
+def test_kernels_are_timed_side_by_side_and_against_the_default(monkeypatch, tmp_path):
+    """--kernels: every scheme on every kernel, interleaved like schemes; each kernel's
+    tokens/s over the default kernel's of the same scheme, repeat by repeat; W_Q = I against
+    the baseline on the same kernel."""
+    order: list[tuple[str, str]] = []
+    seconds = {("baseline", "sdpa"): 0.5, ("baseline", "eager"): 0.4,
+               ("q-identity", "sdpa"): 0.45, ("q-identity", "eager"): 0.4}
+
+    def fake_time_steps(self, steps):
+        order.append((self.cfg.projection, self.cfg.attn_impl))
+        return seconds[order[-1]] * (2 if len(order) > 8 else 1)  # a slow neighbour late on
+
+    monkeypatch.setattr(TrainBench, "time_steps", fake_time_steps)
+    data = run_json(tmp_path, "--repeats", "3", "--no-inference", "--kernels", "eager,sdpa",
+                    "--set", "n_layer=1")
+    names = ["baseline/eager", "baseline/sdpa", "q-identity/eager", "q-identity/sdpa"]
+    assert list(data["schemes"]) == names and data["settings"]["kernels"] == ["eager", "sdpa"]
+    for name, d in data["schemes"].items():
+        assert (d["scheme"], d["kernel"]) == tuple(name.split("/"))
+        assert d["config"]["attn_impl"] == d["kernel"] and d["config"]["n_layer"] == 1
+    pairs = [tuple(n.split("/")) for n in names]
+    assert order == [*pairs, *pairs, *pairs[::-1], *pairs]  # untimed round, then A B, B A, A B
+    s = data["summary"]
+    default = data["settings"]["model"]["attn_impl"]
+    assert s["default_kernel"] == default
+    other = "sdpa" if default == "eager" else "eager"
+    for scheme in ("baseline", "q-identity"):
+        k = s["kernels"][f"{scheme}/{other}"]
+        assert (k["scheme"], k["kernel"], k["default"]) == (scheme, other, f"{scheme}/{default}")
+        ratio = seconds[(scheme, default)] / seconds[(scheme, other)]
+        assert k["train"]["measured_speedup"] == pytest.approx(ratio)  # the slow repeat cancels
+    v = s["versus_reference"][f"q-identity/{other}"]
+    assert v["measured_speedup"] == pytest.approx(
+        seconds[("baseline", other)] / seconds[("q-identity", other)])
+    assert s["measured_speedup"] == pytest.approx(
+        seconds[("baseline", default)] / seconds[("q-identity", default)])
+    assert s["speedup_of_ideal"] == pytest.approx(s["measured_speedup"] / s["ideal_speedup"])
+
+
+@pytest.mark.slow
+def test_kernels_with_inference_compare_decoding_too(tmp_path):
+    data = run_json(tmp_path, "--kernels", "sdpa,eager", "--schemes", "baseline",
+                    "--gen-tokens", "0")
+    k = data["summary"]["kernels"]
+    [(name, entry)] = k.items()
+    assert set(entry["decode"]) == set(entry["prefill"]) == {"8", "16", "32"}
+    assert all(r > 0 for r in entry["decode"].values())
+
+
+@pytest.mark.parametrize("extra", [
+    ["--kernels", "auto"],
+    ["--kernels", "sdpa,sdpa"],
+    ["--kernels", "flash"],
+    ["--kernels", "eager", "--set", "attn_impl=sdpa"],
+])
+def test_bad_kernels_are_user_errors(extra, capsys):
+    assert main(["bench", *FAST, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "qkvlab bench: error:" in err and "--kernels" in err
+
+
 def test_scheme_configs_at_paper_shape():
     base = ModelConfig(**SHAPES["paper"].model)
     configs = {s: scheme_config(base, s) for s in SCHEMES}

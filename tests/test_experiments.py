@@ -148,7 +148,7 @@ def test_paper_specs_are_section_5():
     assert [g.name for g in groups] == list(paper)
     for g in groups:
         # a group's kernel is the one its runs get on this machine
-        assert g.config.model == paper[g.name].model.on_device(device_type("auto"))
+        assert g.config.model == paper[g.name].model.on_device(device_type("auto"), "bf16")
         assert g.config.optim.weight_decay == paper[g.name].weight_decay
         c = g.config
         assert c.tokens_per_step == 491_520 and c.train.max_steps == 105_000

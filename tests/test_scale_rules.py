@@ -28,6 +28,8 @@ from qkvlab.model.config import (
     migrate_model_table,
     old_record_nulls,
 )
+from qkvlab.model.cpu_kind import CPU_KINDS
+from qkvlab.model.generate import generate
 from qkvlab.model.gpt import GPT
 from qkvlab.model.scale import SCALE_RULES, ScaleRule, attention_scale, learns_scale
 from qkvlab.run.config import (
@@ -38,6 +40,7 @@ from qkvlab.run.config import (
     save_config,
     saved_config,
 )
+from qkvlab.run.metrics import read_metrics
 from qkvlab.train import train
 
 D, DK, INIT = 256, 64, 0.02
@@ -185,27 +188,74 @@ def test_old_sweep_records_without_a_kernel_match_sdpa():
     assert identity_diff(old, eager) == ["model.attn_impl ('sdpa' -> 'eager')"]
 
 
-def test_auto_resolves_by_one_table(monkeypatch):
-    assert set(DEFAULT_ATTN_IMPL) == {"cpu", "cuda"}
-    for device, kernel in DEFAULT_ATTN_IMPL.items():
-        assert kernel_for("auto", device) == kernel
-    assert kernel_for("auto", "mps") == "sdpa" and kernel_for("eager", "cuda") == "eager"
-    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")
-    auto = ModelConfig()
-    assert auto.on_device("cpu").attn_impl == "eager"
-    assert auto.on_device("cuda").attn_impl == DEFAULT_ATTN_IMPL["cuda"]
+def test_auto_resolves_by_device_dtype_cpu_kind_and_context(monkeypatch):
+    for (device, dtype, cpu, longest), kernel in DEFAULT_ATTN_IMPL.items():
+        assert kernel_for("auto", device, dtype, longest or 10**6, cpu) == kernel
+        assert cpu is None or cpu in CPU_KINDS
+    # what the table does not list gets SDPA; a pinned kernel is kept anywhere
+    assert kernel_for("auto", "mps", "fp32", 64) == "sdpa"
+    assert kernel_for("auto", "cpu", "bf16", 64, "other") == "sdpa"
+    assert kernel_for("eager", "cuda", "bf16", 64) == "eager"
+    assert kernel_for("sdpa", "cpu", "bf16", 64, "amx") == "sdpa"
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        kernel_for("auto", "cpu", "auto", 64)  # train.dtype must be resolved first
+    # each key decides, the CPU kind by default this machine's and none off the CPU; of the
+    # entries whose longest context covers the model's, the tightest wins
+    table = {("cpu", "bf16", "amx", 256): "eager", ("cpu", "bf16", "amx", 1024): "sdpa",
+             ("cpu", "bf16", "amx", None): "eager", ("cuda", "bf16", None, None): "eager"}
+    monkeypatch.setattr(model_config, "DEFAULT_ATTN_IMPL", table)
+    monkeypatch.setattr(model_config, "cpu_kind", lambda: "amx")
+    assert [kernel_for("auto", "cpu", "bf16", n) for n in (16, 256, 257, 1024, 1025)] == \
+        ["eager", "eager", "sdpa", "sdpa", "eager"]
+    assert kernel_for("auto", "cpu", "fp32", 16) == "sdpa"
+    assert kernel_for("auto", "cpu", "bf16", 16, "avx512-bf16") == "sdpa"
+    assert kernel_for("auto", "cuda", "bf16", 16, "amx") == "eager"
+    monkeypatch.setattr(model_config, "cpu_kind", lambda: "avx2")
+    assert kernel_for("auto", "cpu", "bf16", 16) == "sdpa"
+    monkeypatch.setattr(model_config, "cpu_kind", lambda: "amx")
+    auto = ModelConfig(block_size=256)
+    assert auto.on_device("cpu", "bf16").attn_impl == "eager"
+    assert dataclasses.replace(auto, block_size=512).on_device("cpu", "bf16").attn_impl == "sdpa"
+    assert auto.on_device("cpu", "fp32").attn_impl == "sdpa"
     pinned = ModelConfig(attn_impl="sdpa")
-    assert pinned.on_device("cpu") is pinned
+    assert pinned.on_device("cpu", "bf16") is pinned
+
+
+def _table_in_the_benchmarks_readme() -> dict[tuple[str, str, str | None, int | None], str]:
+    """The rows of benchmarks/README.md's table of what attn_impl = "auto" picks."""
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "README.md").read_text()
+    section = text.split("### What attn_impl = \"auto\" picks", 1)[1].split("\n\n")[1]
+    rows = {}
+    for line in section.splitlines()[2:]:
+        cells = [c.strip(" `") for c in line.strip("|").split("|")]
+        device, dtype, cpu, longest, kernel = cells[:5]
+        rows[(device, dtype, None if cpu == "-" else cpu,
+              None if longest == "any" else int(longest))] = kernel
+    return rows
+
+
+def test_the_table_is_the_one_the_benchmarks_readme_shows():
+    assert _table_in_the_benchmarks_readme() == DEFAULT_ATTN_IMPL
+
+
+@pytest.fixture
+def cpu_picks(monkeypatch):
+    """Make attn_impl = "auto" pick `kernel` on the CPU, whatever the dtype or context."""
+    def pick(kernel: str) -> None:
+        monkeypatch.setattr(model_config, "DEFAULT_ATTN_IMPL", {
+            ("cpu", dtype, model_config.cpu_kind(), None): kernel for dtype in ("bf16", "fp32")})
+    return pick
 
 
 @pytest.mark.parametrize("cpu_kernel", ["sdpa", "eager"])
-def test_a_gpt_with_auto_picks_the_kernel_by_the_inputs_device(monkeypatch, cpu_kernel):
-    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", cpu_kernel)
+def test_a_gpt_with_auto_picks_the_kernel_by_the_inputs_device(monkeypatch, cpu_picks,
+                                                               cpu_kernel):
+    cpu_picks(cpu_kernel)
     calls = []
     real = gpt_module.eager_attention
 
     def spy(*args, **kwargs):
-        calls.append(1)
+        calls.append(args[0].shape[-2])  # its query rows
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gpt_module, "eager_attention", spy)
@@ -214,10 +264,17 @@ def test_a_gpt_with_auto_picks_the_kernel_by_the_inputs_device(monkeypatch, cpu_
     assert model.cfg.attn_impl == "auto"
     model(torch.randint(40, (2, 16)))
     assert bool(calls) == (cpu_kernel == "eager")
+    # generation with a KV cache takes SDPA whatever the kernel; without one, the kernel
+    calls.clear()
+    model.eval()
+    generate(model, torch.randint(40, (1, 4)), 3, seed=0)
+    assert calls == []
+    generate(model, torch.randint(40, (1, 4)), 3, seed=0, use_cache=False)
+    assert calls == ([4, 5, 6] if cpu_kernel == "eager" else [])
 
 
-def test_a_run_records_the_concrete_kernel_never_auto(data_dir, tmp_path, monkeypatch):
-    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")
+def test_a_run_records_the_concrete_kernel_never_auto(data_dir, tmp_path, cpu_picks):
+    cpu_picks("eager")
     cfg = dataclasses.replace(tiny_config(data_dir, "train.max_steps=2", "train.ckpt_interval=2"),
                               out_dir=str(tmp_path / "run"))
     assert cfg.model.attn_impl == "auto"
@@ -231,7 +288,29 @@ def test_a_run_records_the_concrete_kernel_never_auto(data_dir, tmp_path, monkey
     assert train(resumed, resume=True, quiet=True)["steps"] == 3
 
 
-def test_a_legacy_run_folder_resumes_on_sdpa(data_dir, tmp_path, monkeypatch):
+def test_auto_resumes_on_the_kernel_the_run_started_on(data_dir, tmp_path, cpu_picks):
+    """A run begun on one default kernel and resumed after the default changed goes on with
+    the kernel it recorded, bit for bit: its losses are those of a run never interrupted."""
+    def config(out: str, steps: int):
+        return dataclasses.replace(
+            tiny_config(data_dir, f"train.max_steps={steps}", "train.ckpt_interval=3",
+                        "model.dropout=0.1"), out_dir=str(tmp_path / out))
+
+    cpu_picks("eager")
+    train(config("straight", 6), quiet=True)
+    train(config("resumed", 3), quiet=True)
+    cpu_picks("sdpa")  # a later default
+    assert train(config("resumed", 6), resume=True, quiet=True)["steps"] == 6
+    assert load_config(tmp_path / "resumed").model.attn_impl == "eager"
+    losses = [[(r["step"], r.get("loss")) for r in read_metrics(tmp_path / d)]
+              for d in ("straight", "resumed")]
+    assert losses[0] == losses[1]
+    # a fresh run in the same place of an "auto" config takes today's default
+    train(config("fresh", 1), quiet=True)
+    assert load_config(tmp_path / "fresh").model.attn_impl == "sdpa"
+
+
+def test_a_legacy_run_folder_resumes_on_sdpa(data_dir, tmp_path, cpu_picks):
     run = tmp_path / "old"
     cfg = dataclasses.replace(tiny_config(data_dir, "train.max_steps=2", "train.ckpt_interval=2",
                                           "model.attn_impl=sdpa"), out_dir=str(run))
@@ -248,7 +327,7 @@ def test_a_legacy_run_folder_resumes_on_sdpa(data_dir, tmp_path, monkeypatch):
     manifest["files"]["state.json"].update(size=state_path.stat().st_size,
                                            sha256=sha256_file(state_path))
     manifest_path.write_text(json.dumps(manifest))
-    monkeypatch.setitem(model_config.DEFAULT_ATTN_IMPL, "cpu", "eager")  # a later default
+    cpu_picks("eager")  # a later default
     again = load_config(run, ["train.max_steps=3"])
     assert again.model.attn_impl == "sdpa"
     assert train(dataclasses.replace(again, out_dir=str(run)), resume=True, quiet=True)[

@@ -35,51 +35,77 @@ def paired_ratios(results: dict[str, Any], name: str, ref: str) -> list[float]:
                                   schemes[ref]["train"]["tokens_per_s"]["values"], strict=True)]
 
 
-def summarise(results: dict[str, Any]) -> dict[str, Any]:
-    """Speed-ups against the baseline (or the first scheme when baseline was not run)."""
-    schemes = results["schemes"]
-    names = list(schemes)
-    ref = "baseline" if "baseline" in schemes else names[0]
-    ref_fpt = schemes[ref]["flops_per_token"]
-    ref_tps = schemes[ref]["train"]["tokens_per_s"]
-    versus: dict[str, Any] = {}
-    for name in names:
-        if name == ref:
-            continue
-        tps = schemes[name]["train"]["tokens_per_s"]
-        ideal = ref_fpt / schemes[name]["flops_per_token"]
-        ratios = paired_ratios(results, name, ref)
-        paired = Spread.of(ratios)
-        ci = median_interval(ratios) if len(ratios) > 1 else None
-        versus[name] = {
-            "ideal_speedup": ideal,
-            "measured_speedup": paired.median,
-            "measured_speedup_min": paired.low,
+def default_kernel(results: dict[str, Any]) -> str | None:
+    """The kernel the headline numbers are of: the one `attn_impl` gives (auto: the default),
+    when it was timed, else the first one timed."""
+    settings = results.get("settings", {})
+    kernels = settings.get("kernels") or [None]
+    chosen = settings.get("model", {}).get("attn_impl")
+    return chosen if chosen in kernels else kernels[0]
+
+
+def _entries(results: dict[str, Any]) -> dict[tuple[str, str | None], str]:
+    """(scheme, kernel) -> the name it was timed under."""
+    return {(d.get("scheme", name), d.get("kernel")): name
+            for name, d in results["schemes"].items()}
+
+
+def _paired(results: dict[str, Any], name: str, ref: str) -> dict[str, Any]:
+    ratios = paired_ratios(results, name, ref)
+    paired = Spread.of(ratios)
+    ci = median_interval(ratios) if len(ratios) > 1 else None
+    return {"measured_speedup": paired.median, "measured_speedup_min": paired.low,
             "measured_speedup_max": paired.high,
             "measured_speedup_ci": [ci.low, ci.high] if ci else None,
-            "ci_coverage": ci.coverage if ci else None,
-            "ratio_of_medians": tps["median"] / ref_tps["median"],
-            "share_realised": share_of(paired.median, ideal),
-            "share_realised_ci": [share_of(ci.low, ideal), share_of(ci.high, ideal)]
+            "ci_coverage": ci.coverage if ci else None}
+
+
+def summarise(results: dict[str, Any]) -> dict[str, Any]:
+    """Speed-ups against the baseline (or the first scheme when baseline was not run), each
+    kernel's against the baseline on the same kernel; the headline on the default kernel."""
+    schemes = results["schemes"]
+    entries = _entries(results)
+    main = default_kernel(results)
+    on_main = {scheme: name for (scheme, kernel), name in entries.items() if kernel == main}
+    ref_scheme = "baseline" if "baseline" in on_main else next(iter(on_main))
+    versus: dict[str, Any] = {}
+    for (scheme, kernel), name in entries.items():
+        ref = entries[(ref_scheme, kernel)]
+        if scheme == ref_scheme:
+            continue
+        ideal = schemes[ref]["flops_per_token"] / schemes[name]["flops_per_token"]
+        paired = _paired(results, name, ref)
+        ci = paired["measured_speedup_ci"]
+        versus[name] = {
+            "ideal_speedup": ideal, **paired,
+            "ratio_of_medians": schemes[name]["train"]["tokens_per_s"]["median"]
+            / schemes[ref]["train"]["tokens_per_s"]["median"],
+            "share_realised": share_of(paired["measured_speedup"], ideal),
+            "share_realised_ci": [share_of(ci[0], ideal), share_of(ci[1], ideal)]
             if ci and share_of(1, ideal) is not None else None,
         }
-    head = versus.get("q-identity") if ref == "baseline" else None
+    head = versus.get(on_main.get("q-identity", "")) if ref_scheme == "baseline" else None
     summary: dict[str, Any] = {
-        "reference": ref,
+        "reference": ref_scheme,
+        "default_kernel": main,
         "versus_reference": versus,
-        # the headline numbers: q-identity against the baseline
+        # the headline numbers: q-identity against the baseline, on the default kernel
         "ideal_speedup": head["ideal_speedup"] if head else None,
         "measured_speedup": head["measured_speedup"] if head else None,
+        "speedup_of_ideal": head["measured_speedup"] / head["ideal_speedup"] if head else None,
         "share_realised": head["share_realised"] if head else None,
         "share_realised_ci": head["share_realised_ci"] if head else None,
-        "baseline_mfu": schemes["baseline"]["train"]["mfu"] if "baseline" in schemes else None,
+        "baseline_mfu": schemes[on_main["baseline"]]["train"]["mfu"]
+        if "baseline" in on_main else None,
         "peak_flops": results["peak"]["flops"],
         "peak_source": results["peak"]["source"],
         "warnings": warnings(results),
     }
-    if all("inference" in schemes[n] for n in names):
+    if len({kernel for _, kernel in entries}) > 1:
+        summary["kernels"] = kernels_versus_default(results, entries, main)
+    if all("inference" in schemes[n] for n in schemes):
         summary["cache_speedup"] = {}
-        for name in names:
+        for name in schemes:
             inf = schemes[name]["inference"]
             longest = max(inf["contexts"], key=int)
             entry = {"context": int(longest),
@@ -89,6 +115,32 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
                 entry["generate_new_tokens"] = inf["generate"]["new_tokens"]
             summary["cache_speedup"][name] = entry
     return summary
+
+
+def kernels_versus_default(results: dict[str, Any], entries: dict[tuple[str, str | None], str],
+                           main: str | None) -> dict[str, Any]:
+    """Each other kernel's speed over the default kernel's, scheme by scheme: training tokens/s
+    paired repeat by repeat (with its interval), and where inference ran, the median paired
+    ratio of cached decoding's and prefill's tokens/s at each context (above 1: faster than
+    the default)."""
+    schemes = results["schemes"]
+    out: dict[str, Any] = {}
+    for (scheme, kernel), name in entries.items():
+        ref = entries.get((scheme, main))
+        if kernel == main or ref is None:
+            continue
+        entry = {"scheme": scheme, "kernel": kernel, "default": ref,
+                 "train": _paired(results, name, ref)}
+        if "inference" in schemes[name] and "inference" in schemes[ref]:
+            mine = schemes[name]["inference"]["contexts"]
+            theirs = schemes[ref]["inference"]["contexts"]
+            for kind, key in (("decode", "decode_step_s"), ("prefill", "prefill_s")):
+                if all(key in mine[c] for c in mine):
+                    entry[kind] = {c: Spread.of([b / a for a, b in zip(
+                        mine[c][key]["values"], theirs[c][key]["values"], strict=True)]).median
+                        for c in mine}
+        out[name] = entry
+    return out
 
 
 # ---- formatting ---------------------------------------------------------------------------
@@ -149,7 +201,9 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     if all("inference" in d for d in schemes.values()):
         _print_inference(results, console)
 
-    t = Table(title=f"Speed-up over {summary['reference']} (training tokens/s)")
+    t = Table(title=f"Speed-up over {summary['reference']}"
+                    f"{' on the same kernel' if 'kernels' in summary else ''} "
+                    "(training tokens/s)")
     levels = {v["ci_coverage"] for v in summary["versus_reference"].values()} - {None}
     ci_col = f"{100 * min(levels):.0f}% CI" if levels else "CI"
     for col in ("scheme", "ideal (FLOPs)", "measured", ci_col, "range", "ratio of medians",
@@ -165,11 +219,34 @@ def print_report(results: dict[str, Any], console: Console) -> None:
                   f"{100 * share_ci[0]:.0f}% to {100 * share_ci[1]:.0f}%" if share_ci else "n/a")
     if summary["versus_reference"]:
         print_table(t, console)
+    if summary.get("speedup_of_ideal") is not None:  # (not in JSON written before it)
+        console.print(f"q-identity's speed-up on {summary['default_kernel']}: "
+                      f"{100 * summary['speedup_of_ideal']:.1f}% of its ideal (FLOPs)")
+    if "kernels" in summary:
+        _print_kernels(summary, console)
     if summary["baseline_mfu"] is not None:
         console.print(f"baseline MFU: {100 * summary['baseline_mfu']:.1f}% of "
                       f"{si(summary['peak_flops'], 'FLOP/s')} ({summary['peak_source']})")
     for warning in summary["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def _print_kernels(summary: dict[str, Any], console: Console) -> None:
+    t = Table(title=f"Each kernel's tokens/s over the default's ({summary['default_kernel']}), "
+                    "paired repeat by repeat")
+    rows = summary["kernels"]
+    contexts = sorted({c for v in rows.values() for c in v.get("decode", {})}, key=int)
+    for col in ("scheme", "kernel", "training", "CI", "range",
+                *(f"decode @{c}" for c in contexts)):
+        t.add_column(col, justify="left" if col in ("scheme", "kernel") else "right")
+    for v in rows.values():
+        tr, ci = v["train"], v["train"]["measured_speedup_ci"]
+        t.add_row(v["scheme"], v["kernel"], f"{tr['measured_speedup']:.3f}",
+                  f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "n/a",
+                  f"{tr['measured_speedup_min']:.3f}-{tr['measured_speedup_max']:.3f}",
+                  *(f"{v['decode'][c]:.3f}" if c in v.get("decode", {}) else "n/a"
+                    for c in contexts))
+    print_table(t, console)
 
 
 def warnings(results: dict[str, Any]) -> list[str]:

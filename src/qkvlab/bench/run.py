@@ -14,6 +14,7 @@ Method, in the order it runs:
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import json
@@ -32,6 +33,7 @@ from qkvlab.bench.timing import Spread, interleaved, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
 from qkvlab.errors import QkvlabError, require
 from qkvlab.model import ModelConfig
+from qkvlab.model.config import ATTN_IMPLS
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.model.variants import derive
 from qkvlab.perf import freed_memory_kept, keep_freed_memory, mfu
@@ -73,6 +75,19 @@ SCHEMES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide", "nonlin
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def entry_name(scheme: str, kernel: str, kernels: tuple[str, ...]) -> str:
+    """What a timed model is called: its scheme, and its kernel when several are timed."""
+    return scheme if len(kernels) == 1 else f"{scheme}/{kernel}"
+
+
+def entry_configs(s: Settings) -> dict[str, ModelConfig]:
+    """Every scheme with every kernel, the schemes outermost (baseline/sdpa, baseline/eager,
+    q-identity/sdpa, ...), so that each pair compared sits side by side."""
+    return {entry_name(scheme, kernel, s.kernels):
+            dataclasses.replace(scheme_config(s.model, scheme), attn_impl=kernel)
+            for scheme in s.schemes for kernel in s.kernels}
+
+
 def scheme_config(base: ModelConfig, scheme: str) -> ModelConfig:
     """The model of one benchmark variant, derived from the shape's (baseline) config by the
     paper's rules (`qkvlab.model.variants`): q-identity-wide gives the MLP the d^2 per
@@ -106,6 +121,11 @@ class Settings:
     peak_sizes: tuple[int, ...] | None
     overrides: dict[str, Any] = field(default_factory=dict)
     keep_freed_memory: bool = True  # CPU: perf.keep_freed_memory, as in training
+    # the attention kernels timed side by side (none given: the default, model.attn_impl)
+    kernels: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.kernels = tuple(self.kernels) or (self.model.attn_impl,)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -152,7 +172,7 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
                      contexts: str | None = None, decode_tokens: int | None = None,
                      gen_tokens: int | None = None, gen_repeats: int = 1,
                      peak_tflops: float | None = None,
-                     keep_freed_memory: bool = True) -> Settings:
+                     keep_freed_memory: bool = True, kernels: str | None = None) -> Settings:
     """Defaults from the shape and the device, checked so that errors come before any work.
 
     None means "the shape's (or the device's) default"; `schemes` and `contexts` are
@@ -169,6 +189,7 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
     if dtype not in DTYPES:
         raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dev = _device(device)
+    timed = _kernel_names(kernels, parsed)
     compile_ = dev.type == "cuda" if compile is None else bool(compile)
 
     # None means "not given": 0 must stay 0
@@ -194,14 +215,29 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
                           f"context ({min(lengths)}): decoding ends at each context length")
     return Settings(
         # the kernel it times, never "auto", in the JSON record
-        shape=shape, model=model.on_device(dev.type), schemes=names, device=dev, dtype_name=dtype,
+        shape=shape, model=model.on_device(dev.type, dtype), schemes=names, device=dev,
+        dtype_name=dtype,
         compile=compile_, batch_size=batch, repeats=repeats, steps=steps,
         warmup=warmup, inference=inference,
         infer_batch_size=infer_batch_size, contexts=lengths,
         decode_tokens=decode, gen_tokens=gen, gen_repeats=gen_repeats,
         peak_flops=peak_tflops * 1e12 if peak_tflops else None, peak_sizes=spec.peak_sizes,
-        overrides=parsed, keep_freed_memory=keep_freed_memory,
+        overrides=parsed, keep_freed_memory=keep_freed_memory, kernels=timed,
     )
+
+
+def _kernel_names(kernels: str | None, overrides: dict[str, Any]) -> tuple[str, ...]:
+    """--kernels sdpa,eager: the attention kernels to time side by side (empty: the default)."""
+    if kernels is None:
+        return ()
+    names = tuple(k.strip() for k in kernels.split(",") if k.strip())
+    known = tuple(k for k in ATTN_IMPLS if k != "auto")
+    if not names or any(k not in known for k in names) or len(set(names)) != len(names):
+        raise QkvlabError(f"--kernels wants distinct names from {', '.join(known)}, "
+                          f"got {kernels!r}")
+    require("attn_impl" not in overrides,
+            "--kernels and --set attn_impl both choose the kernel: give one of them")
+    return names
 
 
 def _scheme_names(schemes: str, model: ModelConfig) -> list[str]:
@@ -336,7 +372,8 @@ def _time_steps(s: Settings, benches: dict[str, InferenceBench],
         name: {kind: {c: [] for c in s.contexts} for kind in ("prefill", "cached", "recompute")}
         for name in benches}
     for r in range(s.repeats):
-        for name, bench in benches.items():
+        for name in interleaved(list(benches), r):
+            bench = benches[name]
             for c in s.contexts:
                 times[name]["prefill"][c].append(bench.prefill(c))
                 times[name]["cached"][c].append(bench.decode_cached(c, n))
@@ -379,6 +416,7 @@ def _inference_entry(s: Settings, bench: InferenceBench, t: dict[str, dict[int, 
             "decode_tokens_per_s": B / cached.median,
             "decode_no_cache_tokens_per_s": B / recompute.median,
             "cache_speedup": recompute.median / cached.median,
+            "prefill_s": Spread.of(t["prefill"][c]).as_dict(),
             "decode_step_s": cached.as_dict(),
             "decode_no_cache_step_s": recompute.as_dict(),
         }
@@ -404,14 +442,15 @@ def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
     console = console or Console()
     if s.device.type == "cpu" and s.keep_freed_memory:
         keep_freed_memory()  # before anything is allocated
-    configs = {name: scheme_config(s.model, name) for name in s.schemes}
+    configs = entry_configs(s)
     console.print(f"[dim]peak: {'given' if s.peak_flops else 'measuring'} {s.dtype_name} "
                   f"matmul FLOP/s on {s.device}")
     peak = resolve_peak(s.device, s.dtype_name, given=s.peak_flops, sizes=s.peak_sizes)
     results: dict[str, Any] = {
         "settings": s.as_dict(),
         "peak": peak.as_dict(),
-        "schemes": {name: {"config": cfg.to_dict(), "params": count_params(cfg).as_dict(),
+        "schemes": {name: {"scheme": name.partition("/")[0], "kernel": cfg.attn_impl,
+                           "config": cfg.to_dict(), "params": count_params(cfg).as_dict(),
                            "flops_per_token": flops_per_token(cfg, cfg.block_size)}
                     for name, cfg in configs.items()},
     }

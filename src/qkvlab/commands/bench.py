@@ -28,6 +28,7 @@ class BenchOptions:
     gen_repeats: int = 1
     peak_tflops: float | None = None
     json: str | None = None
+    kernels: str | None = None
     overrides: list[str] = field(default_factory=list)
 
 
@@ -46,7 +47,7 @@ def run_bench(opts: BenchOptions) -> int:
         inference=not opts.no_inference, infer_batch_size=opts.infer_batch_size,
         contexts=opts.contexts, decode_tokens=opts.decode_tokens, gen_tokens=opts.gen_tokens,
         gen_repeats=opts.gen_repeats, peak_tflops=opts.peak_tflops,
-        keep_freed_memory=opts.keep_freed_memory)
+        keep_freed_memory=opts.keep_freed_memory, kernels=opts.kernels)
     console = table_console()  # wide tables stay one line per row in logs too
     results = bench.run_bench(settings, console)
     report.print_report(results, console)
@@ -91,6 +92,9 @@ def add_parser(sub: Subparsers) -> None:
                    help="repeats of the (slow, uncached) generate() comparison")
     p.add_argument("--peak-tflops", type=float,
                    help="MFU denominator in TFLOP/s (default: GPU datasheet, else measured)")
+    p.add_argument("--kernels",
+                   help="comma-separated attention kernels to time side by side, each against "
+                        "the default (sdpa, eager; default: the one attn_impl = auto picks)")
     p.add_argument("--json", help="also write results as JSON to this file")
     add_overrides(p)
     register(p, BenchOptions, run_bench)

@@ -128,33 +128,38 @@ def _scale_cell(r: dict) -> str:
     return f"{r['attn_scale']:.4g}{alpha}"
 
 
+# No speed column: the variants train one after another, so their tokens/s are of different
+# minutes of a shared machine (one such table showed the baseline at 13,449 and W_Q = I at
+# 23,986 tokens/s, at one shape); `qkvlab bench` times them interleaved, side by side.
+SPEED_NOTE = ("Speed: the runs were timed one after another; compare their speed with "
+              "`qkvlab bench`, which times them side by side.")
+
+
 def render_table(rows: list[dict]) -> Table:
     table = Table(title="qkvlab compare: validation loss on the same fixed windows")
     for col in ("variant", "non-emb params", "total params", "wd", "scale (alpha)", "steps",
-                "final val loss", "delta vs baseline", "tokens/s"):
+                "final val loss", "delta vs baseline"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for r in rows:
-        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         table.add_row(r["variant"], f"{r['non_embedding']:,}", f"{r['total']:,}",
                       f"{r['weight_decay']:.4g}", _scale_cell(r), f"{r['steps']:,}",
                       f"{r['final_val_loss']:.4f}",
-                      f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%)", tps)
+                      f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%)")
+    table.caption = SPEED_NOTE
     return table
 
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| variant | non-embedding params | total params | weight decay | attn scale "
-             "(alpha = scale x sqrt(d_k)) | steps | final val loss | delta vs baseline | "
-             "tokens/s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(alpha = scale x sqrt(d_k)) | steps | final val loss | delta vs baseline |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        tps = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "n/a"
         lines.append(
             f"| {r['variant']} | {r['non_embedding']:,} | {r['total']:,} | "
             f"{r['weight_decay']:.4g} | {_scale_cell(r)} | {r['steps']:,} | "
             f"{r['final_val_loss']:.4f} | "
-            f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%) | {tps} |")
-    return "\n".join(lines)
+            f"{r['delta_vs_baseline']:+.4f} ({r['delta_pct']:+.2f}%) |")
+    return "\n".join([*lines, "", SPEED_NOTE])
 
 
 def plot_curves(out: Path, names: list[str], path: Path) -> None:

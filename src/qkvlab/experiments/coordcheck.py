@@ -143,7 +143,9 @@ def measure(cfg: RunConfig, steps: int, lr: float, batch_size: int) -> list[dict
     device = resolve_device(cfg.train.device)  # "auto": a GPU where one is visible
     data = open_data(cfg.data, log=lambda _msg: None)
     check_vocab(cfg, data)
-    model = GPT(cfg.model.on_device(device.type)).to(device)
+    # the kernel of the dtype the steps below run in (autocast: bf16 only when it says bf16)
+    dtype = "bf16" if cfg.train.dtype == "bf16" else "fp32"
+    model = GPT(cfg.model.on_device(device.type, dtype)).to(device)
     model.train()
     opt = build_optimizer(model, dataclasses.replace(cfg.optim, lr=lr))
     set_lr(opt, lr)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from qkvlab.errors import QkvlabError, require
+from qkvlab.model.cpu_kind import cpu_kind
 from qkvlab.model.scale import (
     SCALE_BOUNDS,
     SCALE_RULES,
@@ -35,12 +36,22 @@ POSITIONS: tuple[str, ...] = ("learned", "rope", "none")
 RESIDUALS: tuple[str, ...] = ("full", "attention", "none")
 # How softmax(q k^T * scale) v is computed (the names Hugging Face uses): "sdpa", PyTorch's
 # scaled_dot_product_attention (flash/memory-efficient kernels, fp32 scores); "eager", plain
-# matmuls with the T x T scores in the matmul dtype (model/attention_kernels.py; what it was
-# measured to buy on CPU: benchmarks/README.md); "auto", the kernel DEFAULT_ATTN_IMPL names for
-# the device the model runs on.
+# matmuls with the T x T scores in the matmul dtype (model/attention_kernels.py); "auto", the
+# kernel DEFAULT_ATTN_IMPL names for where the model runs.
 ATTN_IMPLS: tuple[str, ...] = ("auto", "sdpa", "eager")
-# attn_impl = "auto" per device type; a device not listed gets SDPA, which every device has.
-DEFAULT_ATTN_IMPL: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa"}
+# attn_impl = "auto": the kernel measured fastest, by device type, dtype, CPU kind
+# (model/cpu_kind.py; None off the CPU) and the context attended over: each entry holds up to
+# the longest context it names (None: any), the entry with the shortest such bound that covers
+# the model's context wins. benchmarks/README.md ("What attn_impl = "auto" picks") shows the
+# measurements. What is not listed gets SDPA, which every device has and every run before
+# this table trained with. (Generation with a KV cache takes SDPA whatever the kernel: gpt.py.)
+DEFAULT_ATTN_IMPL: dict[tuple[str, str, str | None, int | None], str] = {
+    ("cpu", "bf16", "amx", 256): "eager",
+    ("cpu", "bf16", "amx", None): "sdpa",
+    ("cpu", "fp32", "amx", None): "sdpa",
+    ("cpu", "fp32", "avx2", 128): "eager",
+    ("cpu", "fp32", "avx2", None): "sdpa",
+}
 # What a key of a saved [model] table (a run's config.toml, a checkpoint's state.json) means
 # when the version that wrote it left it out or wrote null: attn_scale was null for "paper"
 # before it took rule names, and runs saved before attn_impl = "auto" ran on SDPA.
@@ -65,11 +76,22 @@ FINGERPRINT_NEUTRAL: dict[str, Any] = {"parametrization": "standard", "base_widt
 DEFAULT_DEPTH_SCALING: dict[str, str] = {"standard": "none", "mup": "completep"}
 
 
-def kernel_for(attn_impl: str, device_type: str) -> str:
-    """The attention kernel `attn_impl` means on a device of `device_type` ("cpu", "cuda")."""
+def kernel_for(attn_impl: str, device_type: str, dtype: str, context: int,
+               cpu: str | None = None) -> str:
+    """The attention kernel `attn_impl` means on a device of `device_type` ("cpu", "cuda") in
+    `dtype` ("bf16" or "fp32", the matmuls' dtype) for a model of `context` positions (its
+    block_size); `cpu`, the CPU kind, defaults to this machine's (model/cpu_kind.py)."""
     if attn_impl != "auto":
         return attn_impl
-    return DEFAULT_ATTN_IMPL.get(device_type, "sdpa")
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"kernel_for wants the dtype bf16 or fp32, got {dtype!r}")
+    cpu = (cpu or cpu_kind()) if device_type == "cpu" else None
+    covering = [(bound, kernel) for (dev, dt, kind, bound), kernel in DEFAULT_ATTN_IMPL.items()
+                if (dev, dt, kind) == (device_type, dtype, cpu)
+                and (bound is None or context <= bound)]
+    if not covering:
+        return "sdpa"
+    return min(covering, key=lambda entry: math.inf if entry[0] is None else entry[0])[1]
 
 
 def migrate_model_table(table: Any) -> Any:
@@ -231,10 +253,11 @@ class ModelConfig:
         """The scale over the standard 1/sqrt(d_k): the coordinate of the scale scans."""
         return self.scale * math.sqrt(self.d_head)
 
-    def on_device(self, device_type: str) -> ModelConfig:
-        """This config with attn_impl = "auto" made the kernel of `device_type` (what a run
-        records: the kernel it ran on)."""
-        kernel = kernel_for(self.attn_impl, device_type)
+    def on_device(self, device_type: str, dtype: str) -> ModelConfig:
+        """This config with attn_impl = "auto" made the kernel of `device_type` and `dtype`
+        at its block_size on this machine (what a run records, so that its resume and
+        fingerprint see it)."""
+        kernel = kernel_for(self.attn_impl, device_type, dtype, self.block_size)
         return self if kernel == self.attn_impl else dataclasses.replace(self, attn_impl=kernel)
 
     # ---- validation ---------------------------------------------------------------------

@@ -206,9 +206,15 @@ class Attention(nn.Module):
                 if T > 1:
                     qpos = torch.arange(start_pos, end, device=x.device)[:, None]
                     mask = qpos >= torch.arange(end, device=x.device)[None, :]
-        # "auto" is decided here, by the device the input is on
-        attend = eager_attention if kernel_for(self.cfg.attn_impl, q.device.type) == "eager" \
-            else F.scaled_dot_product_attention
+        # "auto" is decided here, by the device and dtype the input is on (and the model's
+        # context, as when a run records its kernel: config.on_device). Generation with a KV
+        # cache takes SDPA whatever the kernel: eager's edge is bf16 scores in training, and on
+        # the CPU the cache keeps attention in fp32, where SDPA's fused kernel measured faster
+        # at prefill and at every decoding step (benchmarks/README.md).
+        kernel = kernel_for(self.cfg.attn_impl, q.device.type,
+                            "bf16" if q.dtype == torch.bfloat16 else "fp32", self.cfg.block_size)
+        eager = kernel == "eager" and cache is None
+        attend = eager_attention if eager else F.scaled_dot_product_attention
         y = attend(
             q, k, v,
             attn_mask=mask,

@@ -266,8 +266,9 @@ class RunConfig:
                 f"{self.warmup_steps} steps or be unset, got {decay}")
 
     def on_device(self, device_type: str) -> RunConfig:
-        """This config with model.attn_impl = "auto" made the kernel of `device_type`."""
-        model = self.model.on_device(device_type)
+        """This config with model.attn_impl = "auto" made the kernel of `device_type` and
+        train.dtype, which must be resolved ("bf16" or "fp32", see run/device.py)."""
+        model = self.model.on_device(device_type, self.train.dtype)
         return self if model is self.model else replace(self, model=model)
 
     @property

@@ -62,11 +62,10 @@ def on_this_device(cfg: RunConfig, device: torch.device) -> RunConfig:
     """`cfg` with what "auto" leaves to the device made concrete (the attention kernel and
     train.dtype), so that the saved config, fingerprints and resume all see what the run
     trains with."""
-    cfg = cfg.on_device(device.type)
     dtype = resolve_dtype(cfg.train.dtype, device)
-    if dtype == cfg.train.dtype:
-        return cfg
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
+    if dtype != cfg.train.dtype:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, dtype=dtype))
+    return cfg.on_device(device.type)  # the kernel depends on the dtype
 
 
 def autocast(device: torch.device, dtype: str) -> contextlib.AbstractContextManager:

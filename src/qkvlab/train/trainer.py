@@ -12,16 +12,19 @@ train/checkpointer.py what it saves and restores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 from pathlib import Path
 from typing import Any
 
+from qkvlab.errors import QkvlabError
 from qkvlab.fsutil import check_tree, write_text_atomic
+from qkvlab.model.config import ATTN_IMPLS
 from qkvlab.run import guard, store
-from qkvlab.run.config import RunConfig
+from qkvlab.run.config import RunConfig, read_config_source
 from qkvlab.run.device import on_this_device, resolve_device
-from qkvlab.run.layout import SUMMARY_FILE
+from qkvlab.run.layout import CONFIG_FILE, SUMMARY_FILE
 from qkvlab.run.lock import RunLock
 from qkvlab.train import distributed
 from qkvlab.train.optim import run_lr
@@ -50,7 +53,8 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
     run_dir = cfg.run_dir
     # config.toml and state.json name the attention kernel and dtype the run trains with,
     # never "auto"
-    cfg = on_this_device(cfg, resolve_device(cfg.train.device))
+    cfg = on_this_device(kernel_of_the_run(cfg, run_dir) if resume else cfg,
+                         resolve_device(cfg.train.device))
     # refuse an absurd config before anything is allocated, locked or written
     guard.train_memory_check(cfg, resolve_device(cfg.train.device))
     # every file of the run is written in place: a link out of the folder would be written
@@ -68,6 +72,21 @@ def train(cfg: RunConfig, resume: bool = False, *, quiet: bool = False) -> dict[
             if err is None or err is exc:
                 raise
             raise err from exc
+
+
+def kernel_of_the_run(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """`cfg` with attn_impl = "auto" made the kernel run_dir's config.toml records, where it
+    records one: "auto" picks a kernel when a run starts, and a resume goes on with that one
+    (bit for bit), even where the default for this machine has changed since."""
+    if cfg.model.attn_impl != "auto" or not (run_dir / CONFIG_FILE).is_file():
+        return cfg
+    try:
+        kernel = read_config_source(run_dir)[0]["model"]["attn_impl"]
+    except (QkvlabError, OSError, KeyError, TypeError):
+        return cfg  # a broken folder: the resume checks say what is wrong with it
+    if kernel not in ATTN_IMPLS or kernel == "auto":
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attn_impl=kernel))
 
 
 def train_locked(cfg: RunConfig, run_dir: Path, resume: bool, quiet: bool,
