@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from qkvlab.data.loader import TokenData
 from qkvlab.errors import QkvlabError
 from qkvlab.model import GPT
 from qkvlab.model.parametrization import branch_multiplier
@@ -136,12 +137,12 @@ class _Probe:
             h.remove()
 
 
-def measure(cfg: RunConfig, steps: int, lr: float, batch_size: int) -> list[dict[str, float]]:
+def measure(cfg: RunConfig, data: TokenData, steps: int, lr: float,
+            batch_size: int) -> list[dict[str, float]]:
     """Train `cfg` for `steps` steps at constant `lr`; each tensor's mean |x| at every step
     (step 0: at initialisation; step t: after t updates)."""
     torch.manual_seed(cfg.train.seed)
     device = resolve_device(cfg.train.device)  # "auto": a GPU where one is visible
-    data = open_data(cfg.data, log=lambda _msg: None)
     check_vocab(cfg, data)
     # the kernel of the dtype the steps below run in (autocast: bf16 only when it says bf16)
     dtype = "bf16" if cfg.train.dtype == "bf16" else "fp32"
@@ -175,11 +176,12 @@ def run_coordcheck(cfg: RunConfig, check: CoordCheck, say=print) -> dict[str, An
     batch = check.batch_size or cfg.train.batch_size
     shapes = [("width", w, at_shape(cfg, width=w)) for w in check.widths] + \
         [("depth", d, at_shape(cfg, depth=d)) for d in check.depths]
+    data = open_data(cfg.data, log=lambda _msg: None)  # once: opening checks every token id
     rows = []
     for axis, value, shaped in shapes:
         say(f"{cfg.model.parametrization}, {cfg.model.projection}: {axis} {value}")
         runs = [measure(dataclasses.replace(shaped, train=dataclasses.replace(
-            shaped.train, seed=shaped.train.seed + i)), check.steps, lr, batch)
+            shaped.train, seed=shaped.train.seed + i)), data, check.steps, lr, batch)
             for i in range(check.seeds)]
         for step in range(check.steps + 1):
             rows += [{axis: value, "step": step, "tensor": t,
