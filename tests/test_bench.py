@@ -198,6 +198,67 @@ def test_bad_kernels_are_user_errors(extra, capsys):
     assert "qkvlab bench: error:" in err and "--kernels" in err
 
 
+def test_parametrizations_are_timed_side_by_side_and_against_standard(monkeypatch, tmp_path):
+    """--parametrizations: every scheme under each, on one kernel; μP's tokens/s over the
+    standard's of the same scheme, repeat by repeat; μP's models carry its base shape."""
+    seconds = {("baseline", "standard"): 0.5, ("baseline", "mup"): 0.55,
+               ("q-identity", "standard"): 0.4, ("q-identity", "mup"): 0.42}
+    calls = []
+
+    def fake_time_steps(self, steps):
+        calls.append((self.cfg.projection, self.cfg.parametrization))
+        return seconds[calls[-1]] * (2 if len(calls) > 8 else 1)  # a slow neighbour late on
+
+    monkeypatch.setattr(TrainBench, "time_steps", fake_time_steps)
+    data = run_json(tmp_path, "--repeats", "3", "--no-inference", "--parametrizations",
+                    "standard,mup", "--set", "base_width=16", "--set", "base_depth=1")
+    names = ["baseline/standard", "baseline/mup", "q-identity/standard", "q-identity/mup"]
+    assert list(data["schemes"]) == names
+    assert data["settings"]["parametrizations"] == ["standard", "mup"]
+    for name, d in data["schemes"].items():
+        assert (d["scheme"], d["parametrization"]) == tuple(name.split("/"))
+        assert d["config"]["parametrization"] == d["parametrization"]
+        assert d["config"]["base_width"] == 16
+    s = data["summary"]
+    assert s["default_parametrization"] == "standard" and "kernels" not in s
+    for scheme in ("baseline", "q-identity"):
+        p = s["parametrizations"][f"{scheme}/mup"]
+        assert (p["scheme"], p["parametrization"], p["default"]) == (
+            scheme, "mup", f"{scheme}/standard")
+        ratio = seconds[(scheme, "standard")] / seconds[(scheme, "mup")]
+        assert p["train"]["measured_speedup"] == pytest.approx(ratio)
+    # the headline pair is both arms under the default parametrization
+    assert s["measured_speedup"] == pytest.approx(
+        seconds[("baseline", "standard")] / seconds[("q-identity", "standard")])
+
+
+def test_mup_models_really_differ_from_standard_in_the_bench():
+    """The μP entry is trained with μP's optimizer groups: its hidden matrices' lr is scaled."""
+    from qkvlab.bench.run import entry_configs, resolve_settings
+
+    s = resolve_settings(shape="tiny", schemes="baseline", device="cpu",
+                         parametrizations="standard,mup",
+                         overrides=["base_width=8", "base_depth=1"])
+    configs = entry_configs(s)
+    benches = {n: TrainBench(c, 2, torch.device("cpu"), torch.float32, False)
+               for n, c in configs.items()}
+    scales = {n: sorted({g.get("lr_scale", 1.0) for g in b.opt.param_groups})
+              for n, b in benches.items()}
+    assert scales["baseline/standard"] == [1.0]
+    assert min(scales["baseline/mup"]) < 1.0
+
+
+@pytest.mark.parametrize("extra", [
+    ["--parametrizations", "mu-p"],
+    ["--parametrizations", "mup,mup"],
+    ["--parametrizations", "mup", "--set", "parametrization=standard"],
+])
+def test_bad_parametrizations_are_user_errors(extra, capsys):
+    assert main(["bench", *FAST, *extra]) == 2
+    err = capsys.readouterr().err
+    assert "qkvlab bench: error:" in err and "--parametrizations" in err
+
+
 def test_scheme_configs_at_paper_shape():
     base = ModelConfig(**SHAPES["paper"].model)
     configs = {s: scheme_config(base, s) for s in SCHEMES}

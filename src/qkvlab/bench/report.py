@@ -35,18 +35,34 @@ def paired_ratios(results: dict[str, Any], name: str, ref: str) -> list[float]:
                                   schemes[ref]["train"]["tokens_per_s"]["values"], strict=True)]
 
 
-def default_kernel(results: dict[str, Any]) -> str | None:
-    """The kernel the headline numbers are of: the one `attn_impl` gives (auto: the default),
-    when it was timed, else the first one timed."""
+# What else than the scheme a timed model may vary in, each timed side by side against its
+# default: the attention kernel (--kernels) and the parametrization (--parametrizations).
+AXES: tuple[str, ...] = ("kernel", "parametrization")
+_AXIS_SETTING = {"kernel": ("kernels", "attn_impl"),
+                 "parametrization": ("parametrizations", "parametrization")}
+
+
+def default_of(results: dict[str, Any], axis: str) -> str | None:
+    """The value of `axis` the headline numbers are of: the model's own (attn_impl = auto: the
+    default kernel) when it was timed, else the first one timed (None: not recorded)."""
     settings = results.get("settings", {})
-    kernels = settings.get("kernels") or [None]
-    chosen = settings.get("model", {}).get("attn_impl")
-    return chosen if chosen in kernels else kernels[0]
+    listed, key = _AXIS_SETTING[axis]
+    values = settings.get(listed) or [None]
+    chosen = settings.get("model", {}).get(key)
+    return chosen if chosen in values else values[0]
 
 
-def _entries(results: dict[str, Any]) -> dict[tuple[str, str | None], str]:
-    """(scheme, kernel) -> the name it was timed under."""
-    return {(d.get("scheme", name), d.get("kernel")): name
+def default_kernel(results: dict[str, Any]) -> str | None:
+    """The kernel the headline numbers are of."""
+    return default_of(results, "kernel")
+
+
+Key = tuple[str, str | None, str | None]  # (scheme, kernel, parametrization)
+
+
+def _entries(results: dict[str, Any]) -> dict[Key, str]:
+    """(scheme, kernel, parametrization) -> the name it was timed under."""
+    return {(d.get("scheme", name), d.get("kernel"), d.get("parametrization")): name
             for name, d in results["schemes"].items()}
 
 
@@ -66,11 +82,13 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     schemes = results["schemes"]
     entries = _entries(results)
     main = default_kernel(results)
-    on_main = {scheme: name for (scheme, kernel), name in entries.items() if kernel == main}
+    main_param = default_of(results, "parametrization")
+    on_main = {scheme: name for (scheme, kernel, param), name in entries.items()
+               if kernel == main and param == main_param}
     ref_scheme = "baseline" if "baseline" in on_main else next(iter(on_main))
     versus: dict[str, Any] = {}
-    for (scheme, kernel), name in entries.items():
-        ref = entries[(ref_scheme, kernel)]
+    for (scheme, kernel, param), name in entries.items():
+        ref = entries[(ref_scheme, kernel, param)]
         if scheme == ref_scheme:
             continue
         ideal = schemes[ref]["flops_per_token"] / schemes[name]["flops_per_token"]
@@ -101,8 +119,10 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "peak_source": results["peak"]["source"],
         "warnings": warnings(results),
     }
-    if len({kernel for _, kernel in entries}) > 1:
-        summary["kernels"] = kernels_versus_default(results, entries, main)
+    for axis, key in (("kernel", "kernels"), ("parametrization", "parametrizations")):
+        if len({k[1 + AXES.index(axis)] for k in entries}) > 1:
+            summary[key] = versus_default(results, entries, axis)
+            summary[f"default_{axis}"] = default_of(results, axis)
     if all("inference" in schemes[n] for n in schemes):
         summary["cache_speedup"] = {}
         for name in schemes:
@@ -117,19 +137,20 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
-def kernels_versus_default(results: dict[str, Any], entries: dict[tuple[str, str | None], str],
-                           main: str | None) -> dict[str, Any]:
-    """Each other kernel's speed over the default kernel's, scheme by scheme: training tokens/s
-    paired repeat by repeat (with its interval), and where inference ran, the median paired
-    ratio of cached decoding's and prefill's tokens/s at each context (above 1: faster than
-    the default)."""
+def versus_default(results: dict[str, Any], entries: dict[Key, str],
+                   axis: str) -> dict[str, Any]:
+    """Each other value of `axis` (kernel or parametrization) against the default's, the rest of
+    the model alike: training tokens/s paired repeat by repeat (with its interval), and where
+    inference ran, the median paired ratio of cached decoding's and prefill's tokens/s at each
+    context (above 1: faster than the default)."""
     schemes = results["schemes"]
+    i, main = 1 + AXES.index(axis), default_of(results, axis)
     out: dict[str, Any] = {}
-    for (scheme, kernel), name in entries.items():
-        ref = entries.get((scheme, main))
-        if kernel == main or ref is None:
+    for key, name in entries.items():
+        ref = entries.get(key[:i] + (main,) + key[i + 1:])
+        if key[i] == main or ref is None:
             continue
-        entry = {"scheme": scheme, "kernel": kernel, "default": ref,
+        entry = {"scheme": key[0], "kernel": key[1], "parametrization": key[2], "default": ref,
                  "train": _paired(results, name, ref)}
         if "inference" in schemes[name] and "inference" in schemes[ref]:
             mine = schemes[name]["inference"]["contexts"]
@@ -202,7 +223,7 @@ def print_report(results: dict[str, Any], console: Console) -> None:
         _print_inference(results, console)
 
     t = Table(title=f"Speed-up over {summary['reference']}"
-                    f"{' on the same kernel' if 'kernels' in summary else ''} "
+                    f"{_same(summary)} "
                     "(training tokens/s)")
     levels = {v["ci_coverage"] for v in summary["versus_reference"].values()} - {None}
     ci_col = f"{100 * min(levels):.0f}% CI" if levels else "CI"
@@ -222,8 +243,9 @@ def print_report(results: dict[str, Any], console: Console) -> None:
     if summary.get("speedup_of_ideal") is not None:  # (not in JSON written before it)
         console.print(f"q-identity's speed-up on {summary['default_kernel']}: "
                       f"{100 * summary['speedup_of_ideal']:.1f}% of its ideal (FLOPs)")
-    if "kernels" in summary:
-        _print_kernels(summary, console)
+    for axis in AXES:
+        if f"{axis}s" in summary:
+            _print_versus_default(summary, axis, console)
     if summary["baseline_mfu"] is not None:
         console.print(f"baseline MFU: {100 * summary['baseline_mfu']:.1f}% of "
                       f"{si(summary['peak_flops'], 'FLOP/s')} ({summary['peak_source']})")
@@ -231,17 +253,23 @@ def print_report(results: dict[str, Any], console: Console) -> None:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
-def _print_kernels(summary: dict[str, Any], console: Console) -> None:
-    t = Table(title=f"Each kernel's tokens/s over the default's ({summary['default_kernel']}), "
-                    "paired repeat by repeat")
-    rows = summary["kernels"]
+def _same(summary: dict[str, Any]) -> str:
+    """' on the same kernel' (and parametrization) where several were timed, else ''."""
+    same = [axis for axis in AXES if f"{axis}s" in summary]
+    return f" on the same {' and '.join(same)}" if same else ""
+
+
+def _print_versus_default(summary: dict[str, Any], axis: str, console: Console) -> None:
+    t = Table(title=f"Each {axis}'s tokens/s over the default's "
+                    f"({summary.get(f'default_{axis}')}), paired repeat by repeat")
+    rows = summary[f"{axis}s"]
     contexts = sorted({c for v in rows.values() for c in v.get("decode", {})}, key=int)
-    for col in ("scheme", "kernel", "training", "CI", "range",
+    for col in ("scheme", axis, "training", "CI", "range",
                 *(f"decode @{c}" for c in contexts)):
-        t.add_column(col, justify="left" if col in ("scheme", "kernel") else "right")
+        t.add_column(col, justify="left" if col in ("scheme", axis) else "right")
     for v in rows.values():
         tr, ci = v["train"], v["train"]["measured_speedup_ci"]
-        t.add_row(v["scheme"], v["kernel"], f"{tr['measured_speedup']:.3f}",
+        t.add_row(v["scheme"], str(v[axis]), f"{tr['measured_speedup']:.3f}",
                   f"{ci[0]:.3f}-{ci[1]:.3f}" if ci else "n/a",
                   f"{tr['measured_speedup_min']:.3f}-{tr['measured_speedup_max']:.3f}",
                   *(f"{v['decode'][c]:.3f}" if c in v.get("decode", {}) else "n/a"

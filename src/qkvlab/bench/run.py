@@ -33,7 +33,7 @@ from qkvlab.bench.timing import Spread, interleaved, max_rss_bytes, peak_memory
 from qkvlab.bench.workloads import InferenceBench, TrainBench
 from qkvlab.errors import QkvlabError, require
 from qkvlab.model import ModelConfig
-from qkvlab.model.config import ATTN_IMPLS
+from qkvlab.model.config import ATTN_IMPLS, PARAMETRIZATIONS
 from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.model.variants import derive
 from qkvlab.perf import freed_memory_kept, keep_freed_memory, mfu
@@ -75,17 +75,25 @@ SCHEMES: tuple[str, ...] = ("baseline", "q-identity", "q-identity-wide", "nonlin
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def entry_name(scheme: str, kernel: str, kernels: tuple[str, ...]) -> str:
-    """What a timed model is called: its scheme, and its kernel when several are timed."""
-    return scheme if len(kernels) == 1 else f"{scheme}/{kernel}"
+def entry_name(scheme: str, kernel: str, parametrization: str, s: Settings) -> str:
+    """What a timed model is called: its scheme, then its kernel and its parametrization where
+    several of each are timed (baseline/eager/mup)."""
+    parts = [scheme]
+    if len(s.kernels) > 1:
+        parts.append(kernel)
+    if len(s.parametrizations) > 1:
+        parts.append(parametrization)
+    return "/".join(parts)
 
 
 def entry_configs(s: Settings) -> dict[str, ModelConfig]:
-    """Every scheme with every kernel, the schemes outermost (baseline/sdpa, baseline/eager,
-    q-identity/sdpa, ...), so that each pair compared sits side by side."""
-    return {entry_name(scheme, kernel, s.kernels):
-            dataclasses.replace(scheme_config(s.model, scheme), attn_impl=kernel)
-            for scheme in s.schemes for kernel in s.kernels}
+    """Every scheme with every kernel and parametrization, the schemes outermost
+    (baseline/sdpa, baseline/eager, q-identity/sdpa, ...), so that each pair compared sits side
+    by side."""
+    return {entry_name(scheme, kernel, param, s):
+            dataclasses.replace(scheme_config(s.model, scheme), attn_impl=kernel,
+                                parametrization=param)
+            for scheme in s.schemes for kernel in s.kernels for param in s.parametrizations}
 
 
 def scheme_config(base: ModelConfig, scheme: str) -> ModelConfig:
@@ -123,9 +131,12 @@ class Settings:
     keep_freed_memory: bool = True  # CPU: perf.keep_freed_memory, as in training
     # the attention kernels timed side by side (none given: the default, model.attn_impl)
     kernels: tuple[str, ...] = ()
+    # the parametrizations timed side by side (none given: the default, model.parametrization)
+    parametrizations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         self.kernels = tuple(self.kernels) or (self.model.attn_impl,)
+        self.parametrizations = tuple(self.parametrizations) or (self.model.parametrization,)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -172,7 +183,8 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
                      contexts: str | None = None, decode_tokens: int | None = None,
                      gen_tokens: int | None = None, gen_repeats: int = 1,
                      peak_tflops: float | None = None,
-                     keep_freed_memory: bool = True, kernels: str | None = None) -> Settings:
+                     keep_freed_memory: bool = True, kernels: str | None = None,
+                     parametrizations: str | None = None) -> Settings:
     """Defaults from the shape and the device, checked so that errors come before any work.
 
     None means "the shape's (or the device's) default"; `schemes` and `contexts` are
@@ -190,6 +202,7 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
         raise QkvlabError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     dev = _device(device)
     timed = _kernel_names(kernels, parsed)
+    params = _parametrization_names(parametrizations, parsed)
     compile_ = dev.type == "cuda" if compile is None else bool(compile)
 
     # None means "not given": 0 must stay 0
@@ -223,6 +236,7 @@ def resolve_settings(*, shape: str = "baby", schemes: str = "baseline,q-identity
         decode_tokens=decode, gen_tokens=gen, gen_repeats=gen_repeats,
         peak_flops=peak_tflops * 1e12 if peak_tflops else None, peak_sizes=spec.peak_sizes,
         overrides=parsed, keep_freed_memory=keep_freed_memory, kernels=timed,
+        parametrizations=params,
     )
 
 
@@ -238,6 +252,21 @@ def _kernel_names(kernels: str | None, overrides: dict[str, Any]) -> tuple[str, 
     require("attn_impl" not in overrides,
             "--kernels and --set attn_impl both choose the kernel: give one of them")
     return names
+
+
+def _parametrization_names(names: str | None, overrides: dict[str, Any]) -> tuple[str, ...]:
+    """--parametrizations standard,mup: the parametrizations to time side by side (empty: the
+    default). μP differs in its optimizer groups and, for a tied head, one multiply."""
+    if names is None:
+        return ()
+    chosen = tuple(p.strip() for p in names.split(",") if p.strip())
+    if not chosen or any(p not in PARAMETRIZATIONS for p in chosen) or \
+            len(set(chosen)) != len(chosen):
+        raise QkvlabError(f"--parametrizations wants distinct names from "
+                          f"{', '.join(PARAMETRIZATIONS)}, got {names!r}")
+    require("parametrization" not in overrides, "--parametrizations and --set parametrization "
+                                                "both choose it: give one of them")
+    return chosen
 
 
 def _scheme_names(schemes: str, model: ModelConfig) -> list[str]:
@@ -450,6 +479,7 @@ def run_bench(s: Settings, console: Console | None = None) -> dict[str, Any]:
         "settings": s.as_dict(),
         "peak": peak.as_dict(),
         "schemes": {name: {"scheme": name.partition("/")[0], "kernel": cfg.attn_impl,
+                           "parametrization": cfg.parametrization,
                            "config": cfg.to_dict(), "params": count_params(cfg).as_dict(),
                            "flops_per_token": flops_per_token(cfg, cfg.block_size)}
                     for name, cfg in configs.items()},

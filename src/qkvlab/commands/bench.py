@@ -29,6 +29,7 @@ class BenchOptions:
     peak_tflops: float | None = None
     json: str | None = None
     kernels: str | None = None
+    parametrizations: str | None = None
     overrides: list[str] = field(default_factory=list)
 
 
@@ -47,7 +48,8 @@ def run_bench(opts: BenchOptions) -> int:
         inference=not opts.no_inference, infer_batch_size=opts.infer_batch_size,
         contexts=opts.contexts, decode_tokens=opts.decode_tokens, gen_tokens=opts.gen_tokens,
         gen_repeats=opts.gen_repeats, peak_tflops=opts.peak_tflops,
-        keep_freed_memory=opts.keep_freed_memory, kernels=opts.kernels)
+        keep_freed_memory=opts.keep_freed_memory, kernels=opts.kernels,
+        parametrizations=opts.parametrizations)
     console = table_console()  # wide tables stay one line per row in logs too
     results = bench.run_bench(settings, console)
     report.print_report(results, console)
@@ -95,6 +97,10 @@ def add_parser(sub: Subparsers) -> None:
     p.add_argument("--kernels",
                    help="comma-separated attention kernels to time side by side, each against "
                         "the default (sdpa, eager; default: the one attn_impl = auto picks)")
+    p.add_argument("--parametrizations",
+                   help="comma-separated parametrizations to time side by side, each against "
+                        "the default (standard, mup; give μP's base shape with --set "
+                        "base_width=N, base_depth=N)")
     p.add_argument("--json", help="also write results as JSON to this file")
     add_overrides(p)
     register(p, BenchOptions, run_bench)
