@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
 OUT=${OUT:-runs/bench/mup-speed}
 RUNS=${RUNS:-2}
+FIRST=${FIRST:-1}  # FIRST=3 RUNS=4: two more runs beside the ones in OUT, pooled by the summary
 mkdir -p "$OUT"
 bench() {  # bench NAME ARGS...
     local name=$1; shift
@@ -22,7 +23,7 @@ bench() {  # bench NAME ARGS...
     qkvlab bench --parametrizations standard,mup --no-inference "$@" \
         --json "$OUT/$name.json" > "$OUT/$name.txt"
 }
-for i in $(seq 1 "$RUNS"); do
+for i in $(seq "$FIRST" "$RUNS"); do
     for dtype in bf16 fp32; do
         bench "baby-$dtype-$i" --shape baby --schemes baseline,q-identity --dtype "$dtype" \
             --set base_width=128 --set base_depth=2 --repeats 10 --steps 2

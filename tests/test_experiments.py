@@ -263,8 +263,10 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     md = (report_dir / "report.md").read_text()
     assert (report_dir / "val_curves.png").stat().st_size > 0
     assert (report_dir / "rel_diff.png").stat().st_size > 0
-    loss = {(g, s): final_losses(killed / g / f"seed-{s}")[8]
-            for g in ("baseline", "q-identity") for s in (1, 2)}
+    # the report compares the long final eval, which every run has (summary.json)
+    assert rep["loss_measure"] == "long"
+    loss = {(g, s): json.loads((killed / g / f"seed-{s}" / "summary.json").read_text())
+            ["final_val_loss_long"]["loss"] for g in ("baseline", "q-identity") for s in (1, 2)}
     groups = {g["group"]: g for g in rep["groups"]}
     for g in ("baseline", "q-identity"):
         vals = [loss[(g, 1)], loss[(g, 2)]]
@@ -287,10 +289,11 @@ def test_sweep_resumes_after_a_kill_and_report_has_the_statistics(
     assert paired["relative_pct"] == pytest.approx(100 * d.mean() / np.mean(b))
     assert f"{d.mean():+.4f}" in md and f"[{lo:+.4f}, {hi:+.4f}]" in md
     assert "qkvlab report" in md and "qkvlab sweep" in md and "torch" in md
-    # per window: the mean over windows is the logged val loss (clm, fp32)
+    # per window: the mean over windows is the last logged val loss (clm, fp32)
     for g in ("baseline", "q-identity"):
         w = json.loads((killed / g / "seed-1" / "window_losses.json").read_text())["losses"]
-        assert len(w) == 8 and np.mean(w) == pytest.approx(loss[(g, 1)], rel=1e-5)
+        logged = final_losses(killed / g / "seed-1")[8]
+        assert len(w) == 8 and np.mean(w) == pytest.approx(logged, rel=1e-5)
     assert groups["q-identity"]["per_window_vs_baseline"]["n"] == 8
 
     # --versus: the same statistics against another variant (here: baseline - q-identity)

@@ -224,6 +224,10 @@ def _provenance(rep: Report, command: str) -> list[str]:
              f"objective {cfg.train.objective}, data `{cfg.data.dir}` ({cfg.data.tokenizer}), "
              f"eval on {cfg.train.eval_windows} fixed windows of {cfg.model.block_size} tokens"
              + (f", {', '.join(devices)}" if devices else ""))
+    L.append("- The final loss compared: " + (
+        f"over {cfg.train.final_eval_tokens:,} validation tokens spread over the whole split "
+        "(`final_val_loss_long`), which every finished run has" if rep.loss_measure == "long"
+        else "the last periodic eval's, on its fixed windows"))
     if _is_mlm(rep):
         L.append("- Encoders (objective mlm): val loss is the masked-token cross-entropy and val "
                  "acc the masked-token accuracy, on one fixed mask shared by every run")

@@ -44,6 +44,7 @@ from qkvlab.experiments.plots import (
     trend_gap_panels,
 )
 from qkvlab.experiments.plots_scan import plot_best_alpha, plot_scale_scan
+from qkvlab.experiments.plots_transfer import plot_transfer
 from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.render_headline import headline_section
 from qkvlab.experiments.render_scan import scan_section
@@ -52,7 +53,6 @@ from qkvlab.experiments.results import (
     DEFAULT_MARGIN_PCT,
     TREND_AXES,
     FitRow,
-    GroupResult,
     PairedRelative,
     Report,
     grid_families,
@@ -61,10 +61,17 @@ from qkvlab.experiments.results import (
     pair_with_reference,
     pick_reference,
 )
-from qkvlab.experiments.runs import attention_summary, find_seeds, per_window_losses, read_run
+from qkvlab.experiments.runs import (
+    RunData,
+    attention_summary,
+    find_seeds,
+    per_window_losses,
+    read_run,
+)
 from qkvlab.experiments.scale_scan import ScaleScan, alpha_trends
 from qkvlab.experiments.spec import Group, Spec, identity_diff
 from qkvlab.experiments.sweep import SWEEP_FILE, machine_info, now_iso
+from qkvlab.experiments.transfer import transfer_rows, transfer_section
 from qkvlab.fsutil import write_text_atomic
 from qkvlab.run.records import read_json_record
 
@@ -78,7 +85,7 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
     is the equivalence margin of the headline's TOST, in % of the reference's loss."""
     record = _sweep_record(spec, sweep_dir)
     rules = {v.name: v.rule for v in spec.variants}
-    results: list[GroupResult] = []
+    read: list[tuple[Group, list[RunData]]] = []
     for g in spec.groups(overrides):
         _check_identity(g, record, sweep_dir, from_folder=spec.sweep_dir is not None)
         seeds = sorted(set(find_seeds(sweep_dir / g.name)))
@@ -88,13 +95,28 @@ def build_report(spec: Spec, sweep_dir: Path, per_window: bool = False,
                 r.windows = per_window_losses(r, g)
             if r.status == "done" and attention:
                 r.attention = attention_summary(r, g)
-        results.append(group_result(g, rules.get(g.variant), runs))
+        read.append((g, runs))
+    measure = use_loss_measure([r for _, runs in read for r in runs])
+    results = [group_result(g, rules.get(g.variant), runs) for g, runs in read]
     if not any(r.status == "done" for g in results for r in g.runs):
         raise QkvlabError(f"no finished runs in {sweep_dir}: run `qkvlab sweep` to train them "
                           "(`--dry-run` shows their state)")
     baseline = pick_reference(results, versus, spec)
     pair_with_reference(results, baseline)
-    return Report(spec, sweep_dir, results, baseline, record, per_window, margin_pct)
+    return Report(spec, sweep_dir, results, baseline, record, per_window, margin_pct, measure)
+
+
+def use_loss_measure(runs: list[RunData]) -> str:
+    """The final loss the report compares: "long" (`train.final_eval_tokens`, 1M validation
+    tokens over the whole split) when every finished run has it, else "windows" (the last
+    periodic eval's fixed windows) for all, so that no pair mixes the two. Sets each finished
+    run's final_loss to it."""
+    done = [r for r in runs if r.status == "done"]
+    if not done or any(r.final_loss_long is None for r in done):
+        return "windows"
+    for r in done:
+        r.final_loss = r.final_loss_long
+    return "long"
 
 
 def _sweep_record(spec: Spec, sweep_dir: Path) -> dict[str, Any]:
@@ -153,6 +175,7 @@ def report_json(rep: Report, command: str, scan: ScaleScan, head: Headline,
         "baseline": rep.baseline.group.name,
         "confidence": CONFIDENCE,
         "equivalence_margin_pct": m,
+        "loss_measure": rep.loss_measure,
         "headline": {**head.as_dict(), "figure": plots.get("headline")},
         "figures": plots,
         "groups": [g.as_dict(m) for g in rep.groups],
@@ -240,11 +263,16 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     head = headline(rep, scan)
     plots = _draw(rep, out, scan, head)
     machines = machine_report(rep)  # which runs trained on which CPU kind and dtype
+    rows = transfer_rows(rep)
+    if plot_transfer(rows, f"{rep.spec.name}: does the tuned setting carry across shapes?",
+                     out / "transfer.png"):
+        plots["transfer"] = "transfer.png"
     write_text_atomic(out / "report.json", json.dumps(
-        report_json(rep, command, scan, head, plots, machines), indent=1) + "\n")
+        {**report_json(rep, command, scan, head, plots, machines),
+         "transfer": [r.as_dict() for r in rows]}, indent=1) + "\n")
     path = out / "report.md"
     section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules,
-                           scan.alphas)
+                           scan.alphas) + transfer_section(rows, plots.get("transfer"))
     top = headline_section(head, rep.baseline.group.name, plots.get("headline"))
     write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section, top),
                                          machines))

@@ -112,6 +112,8 @@ class Report:
     record: dict[str, Any]
     per_window: bool
     margin_pct: float = DEFAULT_MARGIN_PCT  # the equivalence margin, % of the reference loss
+    # the final loss compared: "long" (train.final_eval_tokens) or "windows" (the last eval's)
+    loss_measure: str = "windows"
 
     def runs(self) -> list[RunData]:
         return [r for g in self.groups for r in g.runs]
@@ -475,7 +477,9 @@ def fit_rows(rep: Report) -> list[FitRow]:
         rows.append(FitRow(
             g.group.name, summarize([r.train_tail for r in done]),
             summarize([r.best[1] for r in done]),
-            summarize([r.final_loss - r.best[1] for r in done]),
+            # the rise on the eval curve: its last point, not the long final eval, minus its best
+            summarize([r.final_loss_windows - r.best[1] for r in done
+                       if r.final_loss_windows is not None]),
             paired_relative(pairs, lambda r: r.train_tail) if vs else None,
             paired_relative(pairs, lambda r: r.best[1]) if vs else None))
     return rows

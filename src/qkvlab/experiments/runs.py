@@ -53,7 +53,9 @@ class RunData:
     steps: int = 0
     curve: dict[int, float] = field(default_factory=dict)  # step -> val_loss
     acc_curve: dict[int, float] = field(default_factory=dict)  # step -> val_acc (mlm)
-    final_loss: float | None = None
+    final_loss: float | None = None  # the report's measure (experiments/report.py)
+    final_loss_windows: float | None = None  # the last periodic eval's, on its fixed windows
+    final_loss_long: float | None = None  # over train.final_eval_tokens, when it ran
     final_acc: float | None = None
     train_tail: float | None = None  # mean logged training loss over the last 10% of steps
     tokens: int = 0
@@ -77,6 +79,8 @@ class RunData:
                 "run_dir": f"{self.run_dir.parent.name}/{self.run_dir.name}",
                 "status": self.status, "steps": self.steps, "max_steps": self.max_steps,
                 "final_val_loss": self.final_loss, "final_val_acc": self.final_acc,
+                "final_val_loss_windows": self.final_loss_windows,
+                "final_val_loss_long": self.final_loss_long,
                 "best_val_loss": best[1] if best else None,
                 "best_val_step": best[0] if best else None,
                 "train_loss_tail": self.train_tail,
@@ -114,6 +118,10 @@ def read_run(group: Group, seed: int, run_dir: Path) -> RunData:
         if data.final_loss is None or not math.isfinite(data.final_loss):
             data.status, data.final_loss = "failed", None
             data.error = "no finite final validation loss"
+        data.final_loss_windows = data.final_loss
+        long = (summary.get("final_val_loss_long") or {}).get("loss")
+        if data.status == "done" and isinstance(long, int | float) and math.isfinite(long):
+            data.final_loss_long = float(long)
     elif failed:
         data.status = "failed"
         data.error = str(failed.get("error", ""))

@@ -25,6 +25,7 @@ more seeds is also paired with the reference's best (`alpha_gaps`): what a fixed
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,10 +201,14 @@ def _cell(key: tuple[str, int, float], by_alpha: dict[float, GroupResult]) -> Sc
 
 
 def _all_cells(rep: Report) -> list[ScanCell]:
-    """Every (family, width, lr) with finished runs, at one alpha or at several sharing a seed."""
+    """Every (family, width, lr) with finished runs, at one alpha or at several sharing a seed,
+    at the sweep's most common depth (other depths are the transfer table's,
+    qkvlab.experiments.transfer: a scan cell never mixes depths)."""
+    depths = Counter(g.group.config.model.n_layer for g in rep.groups)
+    depth = depths.most_common(1)[0][0] if depths else None
     found: dict[tuple[str, int, float], dict[float, GroupResult]] = {}
     for g in rep.groups:
-        if g.loss.n and _done(g):
+        if g.loss.n and _done(g) and g.group.config.model.n_layer == depth:
             found.setdefault(_key(g), {}).setdefault(round(g.group.config.model.alpha, 6), g)
     cells = (_cell(key, by) for key, by in sorted(found.items()))
     return [c for c in cells if c is not None]
