@@ -28,11 +28,21 @@ written by qkvlab.experiments.render.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.headline import Headline, headline
+from qkvlab.experiments.isoflop import (
+    BudgetGap,
+    GapTrend,
+    IsoCurve,
+    budget_gaps,
+    gap_trend,
+    isoflop_curves,
+    paper_flops,
+)
 from qkvlab.experiments.machines import machine_report, with_warning
 from qkvlab.experiments.plots import (
     family_colors,
@@ -43,10 +53,12 @@ from qkvlab.experiments.plots import (
     plot_rel,
     trend_gap_panels,
 )
+from qkvlab.experiments.plots_isoflop import plot_gap_trend, plot_isoflop
 from qkvlab.experiments.plots_scan import plot_best_alpha, plot_scale_scan
 from qkvlab.experiments.plots_transfer import plot_transfer
 from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.render_headline import headline_section
+from qkvlab.experiments.render_isoflop import isoflop_section
 from qkvlab.experiments.render_scan import scan_section
 from qkvlab.experiments.results import (
     CONFIDENCE,
@@ -257,6 +269,44 @@ def _draw(rep: Report, out: Path, scan: ScaleScan, head: Headline) -> dict[str, 
     return plots
 
 
+@dataclass(frozen=True)
+class IsoFlop:
+    """A sweep's IsoFLOP analysis (experiments/isoflop.py), its figures drawn into `plots`."""
+
+    curves: list[IsoCurve]
+    gaps: list[BudgetGap]
+    trends: list[GapTrend]
+
+    @classmethod
+    def of(cls, rep: Report, out: Path, plots: dict[str, str]) -> IsoFlop:
+        curves = isoflop_curves(rep)
+        gaps = budget_gaps(curves, rep.baseline.group.family)
+        trends = [t for fam in dict.fromkeys(g.family for g in gaps)
+                  if (t := gap_trend(gaps, fam)) is not None]
+        colors = family_colors(rep)
+        if curves:
+            plot_isoflop(curves, f"{rep.spec.name}: final loss against size at equal "
+                         "training compute", out / "isoflop.png", colors)
+            plots["isoflop"] = "isoflop.png"
+        if any(g.fresh for g in gaps):
+            plot_gap_trend(gaps, trends, rep.margin_pct, f"{rep.spec.name}: the gap of the "
+                           "arms' minima against compute", out / "isoflop_gap.png",
+                           extrapolate_to=paper_flops() if trends else None, colors=colors)
+            plots["isoflop_gap"] = "isoflop_gap.png"
+        return cls(curves, gaps, trends)
+
+    def as_dict(self, margin_pct: float) -> dict[str, Any] | None:
+        if not self.curves:
+            return None
+        paper = paper_flops()
+        return {"curves": [c.as_dict() for c in self.curves],
+                "gaps": [g.as_dict(margin_pct) for g in self.gaps],
+                "trends": [{"family": t.family, "slope_pct_per_decade": t.slope,
+                            "intercept_pct": t.intercept, "pairs": t.n,
+                            "paper_flops": paper, "at_paper_flops_pct": list(t.at(paper))}
+                           for t in self.trends]}
+
+
 def write_report(rep: Report, out: Path, command: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     scan = ScaleScan.of(rep)
@@ -267,12 +317,16 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     if plot_transfer(rows, f"{rep.spec.name}: does the tuned setting carry across shapes?",
                      out / "transfer.png"):
         plots["transfer"] = "transfer.png"
+    iso = IsoFlop.of(rep, out, plots)
     write_text_atomic(out / "report.json", json.dumps(
         {**report_json(rep, command, scan, head, plots, machines),
-         "transfer": [r.as_dict() for r in rows]}, indent=1) + "\n")
+         "transfer": [r.as_dict() for r in rows], "isoflop": iso.as_dict(rep.margin_pct)},
+        indent=1) + "\n")
     path = out / "report.md"
-    section = scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots, scan.rules,
-                           scan.alphas) + transfer_section(rows, plots.get("transfer"))
+    section = (scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots,
+                            scan.rules, scan.alphas)
+               + transfer_section(rows, plots.get("transfer"))
+               + isoflop_section(iso.curves, iso.gaps, iso.trends, rep.margin_pct, plots))
     top = headline_section(head, rep.baseline.group.name, plots.get("headline"))
     write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section, top),
                                          machines))

@@ -1,0 +1,214 @@
+"""IsoFLOP curves of a sweep whose groups train for fixed compute (`train.flop_budget`), Hoffmann
+et al.'s approach 2: per family and budget, the final loss against the model's non-embedding
+parameters N, a parabola in ln N through the points and its vertex, the size that budget buys
+best and its loss, trusted only inside the sizes run (a vertex outside them, or a parabola that
+opens downwards, bounds the optimum and no more).
+
+The curve is drawn from the seed every point shares (the sweep's first seed: the one that picks
+each arm's minimum). Seeds run later at an arm's minimum cell test the comparison without the
+seed that chose it: per budget, the two arms' minimum cells are paired by those fresh seeds (a
+paired t-test, Holm-adjusted over the budgets, and TOST at the report's margin). The relative
+gap's trend against compute is a least-squares line in log10 C through every fresh pair's gap,
+with the interval of its mean at a given C: extrapolating it orders of magnitude past the
+budgets run is a guess with an interval, labelled as such wherever it is shown.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats as sst
+
+from qkvlab.experiments.results import (
+    CONFIDENCE,
+    GroupResult,
+    PairedRelative,
+    Report,
+    paired_relative,
+)
+from qkvlab.experiments.runs import RunData
+from qkvlab.experiments.stats import holm
+from qkvlab.model import ModelConfig
+from qkvlab.model.params import count_params, flops_per_token
+
+
+@dataclass(frozen=True)
+class IsoPoint:
+    group: str
+    width: int
+    depth: int
+    params: int  # non-embedding
+    loss: float  # final loss at the curve's seed
+    runs: tuple[RunData, ...]  # every finished run of the group
+
+
+@dataclass(frozen=True)
+class IsoCurve:
+    family: str
+    budget: float
+    seed: int  # the seed the curve (and each minimum) is read at
+    points: tuple[IsoPoint, ...]  # by params
+
+    @property
+    def fit(self) -> tuple[float, float, float] | None:
+        """(a, b, c) of loss = a x^2 + b x + c, x = ln N (None: fewer than 3 sizes)."""
+        if len(self.points) < 3:
+            return None
+        x = [math.log(p.params) for p in self.points]
+        a, b, c = np.polyfit(x, [p.loss for p in self.points], 2)
+        return float(a), float(b), float(c)
+
+    @property
+    def vertex(self) -> tuple[float, float] | None:
+        """(N*, loss*) of the parabola's minimum (None: no fit, or it opens downwards)."""
+        fit = self.fit
+        if fit is None or fit[0] <= 0:
+            return None
+        a, b, c = fit
+        x = -b / (2 * a)
+        return math.exp(x), a * x * x + b * x + c
+
+    @property
+    def inside(self) -> bool:
+        """The vertex lies within the sizes run."""
+        v = self.vertex
+        return v is not None and self.points[0].params <= v[0] <= self.points[-1].params
+
+    @property
+    def minimum(self) -> IsoPoint:
+        """The size run with the lowest loss at the curve's seed: where fresh seeds go."""
+        return min(self.points, key=lambda p: p.loss)
+
+    def as_dict(self) -> dict[str, Any]:
+        v = self.vertex
+        return {"family": self.family, "flop_budget": self.budget, "seed": self.seed,
+                "points": [{"group": p.group, "width": p.width, "depth": p.depth,
+                            "params": p.params, "loss": p.loss} for p in self.points],
+                "fit": self.fit, "vertex_params": v[0] if v else None,
+                "vertex_loss": v[1] if v else None, "vertex_inside": self.inside,
+                "minimum": self.minimum.group}
+
+
+@dataclass
+class BudgetGap:
+    """One budget's comparison of a family's minimum with the reference family's."""
+
+    budget: float
+    family: str
+    group: str
+    reference: str
+    fresh: PairedRelative | None  # over the seeds that did not pick either minimum
+    vertex_gap_pct: float | None  # the parabolas' minima, at the curve's seed
+    p_holm: float | None = None
+
+    def as_dict(self, margin_pct: float) -> dict[str, Any]:
+        return {"flop_budget": self.budget, "family": self.family, "group": self.group,
+                "reference": self.reference, "vertex_gap_pct": self.vertex_gap_pct,
+                "fresh_seeds": self.fresh.as_dict(margin_pct) if self.fresh else None,
+                "p_holm": self.p_holm}
+
+
+@dataclass(frozen=True)
+class GapTrend:
+    """gap % = intercept + slope x log10 C, through every fresh pair's gap."""
+
+    family: str
+    slope: float
+    intercept: float
+    n: int
+    x_mean: float
+    sxx: float
+    residual_sd: float
+
+    def at(self, flops: float) -> tuple[float, float, float]:
+        """(gap %, low, high) of the line's mean at `flops`, with its CONFIDENCE interval."""
+        x = math.log10(flops)
+        mean = self.intercept + self.slope * x
+        se = self.residual_sd * math.sqrt(1 / self.n + (x - self.x_mean) ** 2 / self.sxx)
+        half = sst.t.ppf(0.5 + CONFIDENCE / 2, self.n - 2) * se
+        return mean, mean - half, mean + half
+
+
+def _done(g: GroupResult) -> list[RunData]:
+    return [r for r in g.runs if r.status == "done" and r.final_loss is not None]
+
+
+def isoflop_curves(rep: Report) -> list[IsoCurve]:
+    """Per family and budget, the sizes run at the seed they share (3 sizes or more make a
+    fit); empty when no group has a FLOP budget."""
+    found: dict[tuple[str, float], list[GroupResult]] = {}
+    for g in rep.groups:
+        budget = g.group.config.train.flop_budget
+        if budget is not None and _done(g):
+            found.setdefault((g.group.family, float(budget)), []).append(g)
+    curves = []
+    for (family, budget), groups in sorted(found.items()):
+        shared = set.intersection(*({r.seed for r in _done(g)} for g in groups))
+        if not shared:
+            continue
+        seed = min(shared)
+        points = []
+        for g in groups:
+            m = g.group.config.model
+            loss = next(r.final_loss for r in _done(g) if r.seed == seed)
+            points.append(IsoPoint(g.group.name, m.n_embd, m.n_layer,
+                                   count_params(m).non_embedding, loss, tuple(_done(g))))
+        curves.append(IsoCurve(family, budget, seed, tuple(sorted(points,
+                                                                  key=lambda p: p.params))))
+    return curves
+
+
+def budget_gaps(curves: list[IsoCurve], reference: str) -> list[BudgetGap]:
+    """Each other family's minimum against the reference family's, per budget, over the fresh
+    seeds both minima ran; Holm over every comparison with a test."""
+    ref = {c.budget: c for c in curves if c.family == reference}
+    gaps = []
+    for c in curves:
+        r = ref.get(c.budget)
+        if c.family == reference or r is None:
+            continue
+        mine, theirs = c.minimum, r.minimum
+        base = {run.seed: run for run in theirs.runs if run.seed != r.seed}
+        pairs = [(run, base[run.seed]) for run in mine.runs
+                 if run.seed != c.seed and run.seed in base]
+        fresh = paired_relative(pairs) if pairs else None
+        cv, rv = c.vertex, r.vertex
+        vgap = 100.0 * (cv[1] / rv[1] - 1.0) if cv and rv and c.inside and r.inside else None
+        gaps.append(BudgetGap(c.budget, c.family, mine.group, theirs.group, fresh, vgap))
+    adjusted = holm([g.fresh.test.p if g.fresh else None for g in gaps])
+    for g, p in zip(gaps, adjusted, strict=True):
+        g.p_holm = p
+    return gaps
+
+
+def gap_trend(gaps: list[BudgetGap], family: str) -> GapTrend | None:
+    """The line through the fresh pairs' relative gaps against log10 C (None: fewer than 3
+    pairs or a single budget)."""
+    xs, ys = [], []
+    for g in gaps:
+        if g.family != family or g.fresh is None or not g.fresh.reference_mean:
+            continue
+        for d in g.fresh.diffs:
+            xs.append(math.log10(g.budget))
+            ys.append(100.0 * d / g.fresh.reference_mean)
+    if len(xs) < 3 or len(set(xs)) < 2:
+        return None
+    x, y = np.array(xs), np.array(ys)
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (intercept + slope * x)
+    sd = math.sqrt(float(resid @ resid) / (len(x) - 2))
+    return GapTrend(family, float(slope), float(intercept), len(x), float(x.mean()),
+                    float(((x - x.mean()) ** 2).sum()), sd)
+
+
+# The paper's GPT-2 small run (docs/paper.md section 5): 12 x 768, context 1024, vocab 50304,
+# ~51.6B tokens; its training FLOPs counted as qkvlab counts every run's (model/params.py).
+PAPER_TOKENS = 51.6e9
+
+
+def paper_flops() -> float:
+    cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+    return flops_per_token(cfg, 1024) * PAPER_TOKENS

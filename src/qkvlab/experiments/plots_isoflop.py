@@ -1,0 +1,107 @@
+"""The IsoFLOP figures (qkvlab.experiments.isoflop): the loss against parameters, one panel per
+budget, each family's points, parabola and vertex; and the gap of the minima against compute,
+with the fitted line and its extrapolation to the paper's run, labelled as one."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve
+from qkvlab.experiments.plot_layout import (
+    facets,
+    legend_beside,
+    margin_band,
+    pyplot,
+    save,
+    suptitle,
+    variant_colors,
+)
+
+
+def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
+                 colors: dict[str, str] | None = None) -> None:
+    """One panel per budget: each family's final loss against non-embedding parameters (log
+    axis), the parabola in ln N through its points, its vertex (star; hollow when outside the
+    sizes run) and, at its minimum, the fresh seeds' mean and range."""
+    plt = pyplot()
+    budgets = sorted({c.budget for c in curves})
+    colors = colors or variant_colors(list(dict.fromkeys(c.family for c in curves)))
+    fig, axes = facets(plt, len(budgets), ncols=3, sharey=False)
+    for ax, budget in zip(axes, budgets, strict=True):
+        for c in (c for c in curves if c.budget == budget):
+            color = colors[c.family]
+            n = [p.params for p in c.points]
+            ax.plot(n, [p.loss for p in c.points], "o", color=color,
+                    label=f"{c.family} (seed {c.seed})")
+            if c.fit:
+                grid = np.exp(np.linspace(math.log(n[0]), math.log(n[-1]), 60))
+                ax.plot(grid, np.polyval(c.fit, np.log(grid)), "-", color=color, lw=1)
+            if c.vertex:
+                ax.plot(*c.vertex, "*", ms=13, color=color,
+                        mfc=color if c.inside else "none")
+            m = c.minimum
+            fresh = [r.final_loss for r in m.runs if r.seed != c.seed]
+            if fresh:
+                mean = sum(fresh) / len(fresh)
+                ax.errorbar([m.params * 1.04], [mean], yerr=[[mean - min(fresh)],
+                                                            [max(fresh) - mean]],
+                            fmt="s", ms=4, capsize=3, color=color, alpha=0.8)
+        ax.set_xscale("log")
+        ax.set(xlabel="non-embedding parameters N", ylabel="final validation loss (nats/token)",
+               title=f"{budget:.3g} training FLOPs")
+        ax.grid(alpha=0.3)
+        legend_beside(ax)
+    suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N; star: its vertex "
+                  "(hollow: outside the sizes run); squares: fresh seeds at the minimum "
+                  "(mean, range)")
+    save(plt, fig, path)
+
+
+def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: float,
+                   title: str, path: Path, extrapolate_to: float | None = None,
+                   colors: dict[str, str] | None = None) -> None:
+    """Each family's gap of the minima (fresh seeds: mean and 95% interval, % of the reference's
+    loss) against training FLOPs, the fitted line with its 95% band, dashed past the budgets
+    run to `extrapolate_to` (the paper's run), where the extrapolation is marked."""
+    plt = pyplot()
+    families = list(dict.fromkeys(g.family for g in gaps))
+    colors = colors or variant_colors(families)
+    fig, (ax,) = facets(plt, 1, ncols=1, panel=(6.4, 3.8))
+    margin_band(ax, margin_pct)
+    for fam in families:
+        mine = [g for g in gaps if g.family == fam and g.fresh and g.fresh.rel_pct is not None]
+        xs = [g.budget for g in mine]
+        ys = [g.fresh.rel_pct for g in mine]
+        lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
+              for y, g in zip(ys, mine, strict=True)]
+        hi = [(g.fresh.rel_ci[1] if g.fresh.rel_ci[1] is not None else y) - y
+              for y, g in zip(ys, mine, strict=True)]
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=colors[fam],
+                    label=f"{fam}: gap of the minima (fresh seeds)")
+        trend = next((t for t in trends if t.family == fam), None)
+        if trend and xs:
+            ends = [min(xs), max(xs)]
+            for span, style in ((ends, "-"), ([max(xs), extrapolate_to], "--")):
+                if span[1] is None:
+                    continue
+                grid = np.geomspace(span[0], span[1], 40)
+                mid = [trend.at(c) for c in grid]
+                ax.plot(grid, [m[0] for m in mid], style, color=colors[fam], lw=1)
+                ax.fill_between(grid, [m[1] for m in mid], [m[2] for m in mid],
+                                color=colors[fam], alpha=0.12, lw=0)
+            if extrapolate_to:
+                at = trend.at(extrapolate_to)
+                ax.errorbar([extrapolate_to], [at[0]], yerr=[[at[0] - at[1]], [at[2] - at[0]]],
+                            fmt="D", mfc="none", capsize=3, color=colors[fam],
+                            label=f"{fam}: extrapolated to the paper's run")
+    ax.set_xscale("log")
+    ax.set(xlabel="training FLOPs (qkvlab's count)",
+           ylabel="gap to the reference (% of its final val loss)")
+    ax.grid(alpha=0.3)
+    legend_beside(ax)
+    suptitle(fig, f"{title}\nline: least squares in log10 C with its 95% band; dashed: an "
+                  "extrapolation across orders of magnitude, not a measurement")
+    save(plt, fig, path)

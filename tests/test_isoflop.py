@@ -1,0 +1,166 @@
+"""IsoFLOP curves: the parabola in ln N and its vertex, the arms' minima compared over the seeds
+that did not pick them (Holm over budgets), the gap's line against compute; and the report's
+section and figures on a tiny sweep trained for fixed FLOP budgets."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from scipy import stats as sst
+
+from qkvlab.experiments.isoflop import budget_gaps, gap_trend, isoflop_curves, paper_flops
+from qkvlab.experiments.runs import RunData
+from qkvlab.model import ModelConfig
+from qkvlab.model.params import count_params
+
+WIDTHS = (64, 128, 192, 256, 320)
+
+
+def model(width: int) -> ModelConfig:
+    return ModelConfig(n_layer=4, n_head=width // 64, n_embd=width, block_size=128,
+                       vocab_size=256)
+
+
+def run(seed: int, loss: float) -> RunData:
+    r = RunData("g", seed, Path(f"g/seed-{seed}"), "done", 10)
+    r.final_loss = loss
+    return r
+
+
+def group(family: str, width: int, budget: float, losses: dict[int, float]):
+    config = SimpleNamespace(model=model(width), train=SimpleNamespace(flop_budget=budget))
+    g = SimpleNamespace(name=f"{family}-d{width}.flops{budget:g}", family=family,
+                        config=config)
+    return SimpleNamespace(group=g, runs=[run(s, v) for s, v in losses.items()])
+
+
+def bowl(width: int, centre: float, floor: float) -> float:
+    """A loss with its minimum at N = N(centre), quadratic in ln N."""
+    x = math.log(count_params(model(width)).non_embedding)
+    return floor + 0.05 * (x - math.log(count_params(model(centre)).non_embedding)) ** 2
+
+
+def sweep(budgets=(1e13, 1e14), fresh=(2, 3, 4)):
+    groups = []
+    for b, (centre, floor) in zip(budgets, ((128, 2.0), (192, 1.8)), strict=False):
+        for fam, shift in (("baseline", 0.0), ("qid", -0.01)):
+            for w in WIDTHS:
+                losses = {1: bowl(w, centre, floor + shift)}
+                if w == centre:  # the minimum: fresh seeds, qid 0.5% +- a little below
+                    losses |= {s: floor + shift + 0.001 * (s - 3) * (1 if fam == "qid" else 0)
+                               for s in fresh}
+                groups.append(group(fam, w, b, losses))
+    return SimpleNamespace(groups=groups)
+
+
+def test_each_curve_finds_its_vertex_inside_the_sizes_run():
+    curves = isoflop_curves(sweep())
+    assert [(c.family, c.budget) for c in curves] == [
+        ("baseline", 1e13), ("baseline", 1e14), ("qid", 1e13), ("qid", 1e14)]
+    base = curves[0]
+    assert base.seed == 1 and [p.width for p in base.points] == list(WIDTHS)
+    n_star, l_star = base.vertex
+    assert base.inside and n_star == pytest.approx(count_params(model(128)).non_embedding,
+                                                   rel=1e-6)
+    assert l_star == pytest.approx(2.0, abs=1e-9) and base.minimum.width == 128
+    assert curves[1].minimum.width == 192
+
+
+def test_a_curve_whose_vertex_lies_beyond_the_sizes_is_not_trusted():
+    groups = [group("baseline", w, 1e13, {1: bowl(w, 640, 2.0)}) for w in WIDTHS]
+    (c,) = isoflop_curves(SimpleNamespace(groups=groups))
+    assert c.vertex is not None and not c.inside and c.minimum.width == 320
+
+
+def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
+    curves = isoflop_curves(sweep())
+    gaps = budget_gaps(curves, "baseline")
+    assert [(g.family, g.budget) for g in gaps] == [("qid", 1e13), ("qid", 1e14)]
+    g = gaps[0]
+    assert g.fresh.seeds == [2, 3, 4]  # seed 1 picked the minima: not in the test
+    diffs = [-0.01 + 0.001 * (s - 3) for s in (2, 3, 4)]
+    assert g.fresh.diffs == pytest.approx(diffs)
+    want = sst.ttest_1samp(diffs, 0.0).pvalue
+    assert g.fresh.test.p == pytest.approx(want)
+    ps = [x.fresh.test.p for x in gaps]
+    assert [x.p_holm for x in gaps] == pytest.approx(
+        [min(1.0, 2 * min(ps)), max(min(1.0, 2 * min(ps)), max(ps))][::1]
+        if ps[0] <= ps[1] else [max(min(1.0, 2 * min(ps)), max(ps)), min(1.0, 2 * min(ps))])
+    assert g.vertex_gap_pct == pytest.approx(100 * (1.99 / 2.0 - 1), abs=1e-6)
+
+
+def test_the_gap_trend_is_least_squares_in_log_compute():
+    gaps = budget_gaps(isoflop_curves(sweep()), "baseline")
+    trend = gap_trend(gaps, "qid")
+    x = [13.0] * 3 + [14.0] * 3
+    y = [100 * d / g.fresh.reference_mean for g in gaps for d in g.fresh.diffs]
+    fit = sst.linregress(x, y)
+    assert trend.n == 6
+    assert (trend.slope, trend.intercept) == pytest.approx((fit.slope, fit.intercept))
+    mean, lo, hi = trend.at(1e15)
+    se = fit.stderr * math.sqrt(1 / 6 * np.sum((np.array(x) - 13.5) ** 2) + (15 - 13.5) ** 2)
+    assert mean == pytest.approx(fit.intercept + 15 * fit.slope)
+    assert (hi - lo) / 2 == pytest.approx(sst.t.ppf(0.975, 4) * se)
+    # one budget: no line
+    assert gap_trend(gaps[:1], "qid") is None
+
+
+def test_the_papers_run_is_counted_as_qkvlab_counts_compute():
+    # 6N + attention per token for GPT-2 small at context 1024, times 51.6B tokens
+    assert 3e19 < paper_flops() < 5e19
+
+
+def test_a_sweep_at_fixed_budgets_reports_its_isoflop_curves(tmp_path, data_dir):
+    import json
+
+    from helpers import tiny_config
+    from qkvlab.cli import main
+    from qkvlab.run.config import save_config
+
+    base = tiny_config(data_dir, "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+                       "train.max_steps=4", "train.eval_interval=2", "train.eval_windows=4",
+                       "train.ckpt_interval=100", "optim.lr=1e-3", "optim.warmup_steps=0")
+    save_config(base, tmp_path / "base.toml")
+    budget = 6 * base.flops_per_step  # 6 steps at d = 16: more at 8, fewer at 32
+    (tmp_path / "iso.toml").write_text(f"""
+[spec]
+name = "iso"
+base = "base.toml"
+seeds = [1, 2]
+
+[[variant]]
+name = "baseline"
+baseline = true
+rule = "baseline"
+flop_budget = {budget}
+
+[[variant]]
+name = "baseline-iso"
+family = "baseline"
+rule = "baseline"
+grid = {{ n_embd = [8, 32], flop_budget = [{budget}] }}
+
+[[variant]]
+name = "qid"
+family = "qid"
+rule = "q-identity"
+grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
+""", encoding="utf-8")
+    out, rep = tmp_path / "sw", tmp_path / "rep"
+    assert main(["sweep", str(tmp_path / "iso.toml"), "--out", str(out)]) == 0
+    assert main(["report", str(out), "--out", str(rep)]) == 0
+    data = json.loads((rep / "report.json").read_text())
+    text = (rep / "report.md").read_text()
+    iso = data["isoflop"]
+    assert [(c["family"], len(c["points"])) for c in iso["curves"]] == [("baseline", 3),
+                                                                       ("qid", 3)]
+    assert [p["width"] for p in iso["curves"][0]["points"]] == [8, 16, 32]
+    (gap,) = iso["gaps"]  # qid's minimum against the baseline's, over seed 2
+    assert gap["family"] == "qid" and gap["fresh_seeds"]["seeds"] == [2]
+    assert "## IsoFLOP: the arms at equal compute" in text
+    assert (rep / "isoflop.png").stat().st_size > 5_000
+    assert (rep / "isoflop_gap.png").stat().st_size > 5_000
