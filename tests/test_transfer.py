@@ -16,10 +16,10 @@ from qkvlab.experiments.transfer import TOLERANCE_PCT, transfer_rows
 
 
 def group(family: str, width: int, depth: int, lr: float, alpha: float, loss: float,
-          param: str = "mup"):
+          param: str = "mup", wd: float = 0.1):
     model = SimpleNamespace(n_embd=width, n_layer=depth, alpha=alpha, parametrization=param)
-    config = SimpleNamespace(model=model, optim=SimpleNamespace(lr=lr))
-    name = f"{family}-d{width}x{depth}-lr{lr:g}-a{alpha:g}"
+    config = SimpleNamespace(model=model, optim=SimpleNamespace(lr=lr, weight_decay=wd))
+    name = f"{family}-d{width}x{depth}-lr{lr:g}-a{alpha:g}-wd{wd:g}"
     return SimpleNamespace(group=SimpleNamespace(name=name, family=family, config=config),
                            loss=SimpleNamespace(n=1, mean=loss))
 
@@ -77,6 +77,14 @@ def test_a_shape_without_the_carried_setting_has_no_verdict_but_its_best():
     row = rows_of(groups)[("base", 256, 4)]
     assert row.centre is None and row.verdict == "no centre"
     assert row.lr_steps == pytest.approx(math.log2(0.4)) and row.best.loss == 1.8
+
+
+def test_the_carried_setting_includes_its_weight_decay():
+    groups = base_grid("base") + [group("base", 256, 4, 1e-2, 1.0, 1.50, wd=0.03125),
+                                  group("base", 256, 4, 1e-2, 1.0, 1.60)]
+    row = rows_of(groups)[("base", 256, 4)]
+    assert row.centre.loss == 1.60 and row.centre.weight_decay == 0.1  # the base's decay
+    assert row.best.loss == 1.50 and row.verdict == "fails"
 
 
 def test_an_optimum_two_steps_away_fails_even_within_tolerance():

@@ -40,7 +40,8 @@ def plot_transfer(rows: list[TransferRow], title: str, path: Path) -> bool:
                                       (axes[2 * i + 1], "alpha", "lr", opt.lr)):
             xs: set[float] = set()
             for r in mine:
-                line = sorted((c for c in r.cells if same_setting(getattr(c, fixed), other)),
+                line = sorted((c for c in r.cells if same_setting(getattr(c, fixed), other)
+                               and c.weight_decay == opt.weight_decay),
                               key=lambda c: getattr(c, key))
                 if len(line) < 2:
                     continue

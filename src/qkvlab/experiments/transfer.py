@@ -31,6 +31,7 @@ class Cell:
     alpha: float
     loss: float  # mean final validation loss over its seeds
     seeds: int
+    weight_decay: float = 0.0  # part of the setting carried: a centre matches it too
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,10 @@ class TransferRow:
     @property
     def centre(self) -> Cell | None:
         """The cell at the base optimum's lr and alpha (None: not run at this shape)."""
-        return next((c for c in self.cells if same_setting(c.lr, self.optimum.lr)
-                     and same_setting(c.alpha, self.optimum.alpha)), None)
+        o = self.optimum
+        return next((c for c in self.cells if same_setting(c.lr, o.lr)
+                     and same_setting(c.alpha, o.alpha)
+                     and c.weight_decay == o.weight_decay), None)
 
     @property
     def centre_gap_pct(self) -> float | None:
@@ -107,7 +110,8 @@ def same_setting(a: float, b: float) -> bool:
 
 
 def _cell_json(c: Cell) -> dict[str, Any]:
-    return {"group": c.group, "lr": c.lr, "alpha": c.alpha, "loss": c.loss, "seeds": c.seeds}
+    return {"group": c.group, "lr": c.lr, "alpha": c.alpha, "weight_decay": c.weight_decay,
+            "loss": c.loss, "seeds": c.seeds}
 
 
 def _shape(g: GroupResult) -> tuple[int, int]:
@@ -124,7 +128,8 @@ def transfer_rows(rep: Report) -> list[TransferRow]:
         if not g.loss.n:
             continue
         cfg = g.group.config
-        cell = Cell(g.group.name, cfg.optim.lr, cfg.model.alpha, g.loss.mean, g.loss.n)
+        cell = Cell(g.group.name, cfg.optim.lr, cfg.model.alpha, g.loss.mean, g.loss.n,
+                    cfg.optim.weight_decay)
         by_family.setdefault(g.group.family, {}).setdefault(_shape(g), []).append(cell)
         param[g.group.family] = cfg.model.parametrization
     rows: list[TransferRow] = []
