@@ -74,7 +74,8 @@ def test_an_axis_labels_the_sqrt2_grid_and_only_the_other_values_that_leave_room
 def _group(name: str, family: str, width: int, lr: float, loss: float):
     """A finished group as group_panels reads it: its family, width, lr and one seed's loss."""
     run = SimpleNamespace(status="done", seed=1, final_loss=loss)
-    config = SimpleNamespace(model=SimpleNamespace(n_embd=width), optim=SimpleNamespace(lr=lr))
+    config = SimpleNamespace(model=SimpleNamespace(n_embd=width, n_layer=4),
+                             optim=SimpleNamespace(lr=lr))
     return SimpleNamespace(group=SimpleNamespace(name=name, family=family, config=config),
                            runs=[run], loss=SimpleNamespace(mean=loss, n=1))
 

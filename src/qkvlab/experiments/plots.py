@@ -26,6 +26,7 @@ from qkvlab.experiments.plot_layout import (
     variant_looks,
 )
 from qkvlab.experiments.results import (
+    DEPTH,
     TREND_AXES,
     GroupResult,
     Report,
@@ -48,9 +49,11 @@ def _finished(g: GroupResult) -> bool:
     return any(r.status == "done" for r in g.runs)
 
 
-def _setting(s: tuple[float, ...]) -> str:
-    return ", ".join(f"{'d =' if a.name == 'width' else a.name} {v:g}"
-                     for a, v in zip(TREND_AXES, s, strict=True))
+def _setting(s: tuple[float, ...], depth: bool = False) -> str:
+    """A panel's trend settings (d = 128, lr 0.001), the depth only where the sweep varies it."""
+    short = {"width": "d =", "depth": "L ="}
+    return ", ".join(f"{short.get(a.name, a.name)} {v:g}"
+                     for a, v in zip(TREND_AXES, s, strict=True) if depth or a.name != "depth")
 
 
 def group_panels(groups: list[GroupResult], first: GroupResult | None = None,
@@ -71,12 +74,13 @@ def group_panels(groups: list[GroupResult], first: GroupResult | None = None,
     for g in groups:
         by.setdefault(trend_settings(g), {}).setdefault(g.group.family, []).append(g)
     panels = []
-    for s, fams in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    depths = len({s[TREND_AXES.index(DEPTH)] for s in by}) > 1
+    for s, fams in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         best = [best_group(gs) for gs in fams.values()]
         parts = chunks(best, room)
         for i, p in enumerate(parts):
             part = f" ({i + 1} of {len(parts)})" if len(parts) > 1 else ""
-            panels.append((f"{_setting(s)}{part}", p))
+            panels.append((f"{_setting(s, depths)}{part}", p))
     return panels, True
 
 
@@ -239,7 +243,8 @@ def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: P
     for label, gs in fams.items():
         s = trend_settings(gs[0])
         columns.setdefault(tuple(s[i] for i in axes_i), []).append((label, gs))
-    cols = [(k, part) for k, rows in sorted(columns.items()) for part in chunks(rows)]
+    cols = [(k, part) for k, rows in sorted(columns.items()) for part in chunks(rows)
+            if any(g.loss.mean is not None for _, gs in part for g in gs)]
     colors = family_colors(rep)
     width = 4.6 + 2.6
     fig, axes = plt.subplots(2, len(cols), figsize=(width * len(cols), 7.0), squeeze=False,
@@ -263,8 +268,10 @@ def plot_grid(rep: Report, key: str, fams: dict[str, list[GroupResult]], path: P
             if pts[0]:
                 ax_d.errorbar(pts[0], pts[1], yerr=pts[2], marker="o", capsize=3,
                               color=colors[fam])
-        where = ", ".join(f"{'d =' if TREND_AXES[i].name == 'width' else TREND_AXES[i].name} "
-                          f"{v:g}" for i, v in zip(axes_i, k, strict=True))
+        short = {"width": "d =", "depth": "L ="}
+        where = ", ".join(f"{short.get(TREND_AXES[i].name, TREND_AXES[i].name)} {v:g}"
+                          for i, v in zip(axes_i, k, strict=True) if len(columns) > 1
+                          or TREND_AXES[i].name != "depth")
         ax.set(ylabel=f"final {LOSS}", title=where)
         for a in (ax, ax_d):
             if key == "weight_decay":

@@ -318,6 +318,11 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
                      out / "transfer.png"):
         plots["transfer"] = "transfer.png"
     iso = IsoFlop.of(rep, out, plots)
+    # a sweep over budgets or shapes asks the question its own figure answers
+    for answer in ("isoflop", "transfer"):
+        if answer in plots:
+            plots["headline"] = plots[answer]
+            break
     write_text_atomic(out / "report.json", json.dumps(
         {**report_json(rep, command, scan, head, plots, machines),
          "transfer": [r.as_dict() for r in rows], "isoflop": iso.as_dict(rep.margin_pct)},

@@ -269,7 +269,9 @@ class TrendAxis:
 
 
 TREND_AXES = (TrendAxis("width", "model", "n_embd", "width d (n_embd)"),
-              TrendAxis("lr", "optim", "lr", "peak learning rate", tuned=True))
+              TrendAxis("lr", "optim", "lr", "peak learning rate", tuned=True),
+              TrendAxis("depth", "model", "n_layer", "depth L (n_layer)"))
+DEPTH = TREND_AXES[2]
 
 
 @dataclass
@@ -294,7 +296,7 @@ class SettingGap:
 
 
 def trend_settings(g: GroupResult) -> tuple[float, ...]:
-    """The group's value on each trend axis (TREND_AXES order: width, lr)."""
+    """The group's value on each trend axis (TREND_AXES order: width, lr, depth)."""
     return tuple(getattr(getattr(g.group.config, a.section), a.key) for a in TREND_AXES)
 
 
@@ -565,6 +567,6 @@ def _best_finished(groups: list[GroupResult]) -> GroupResult:
 
 
 def _row_label(key: tuple[Any, ...], axes: list[int], at: list[int]) -> str:
-    short = {"width": "d", "lr": "lr"}
+    short = {"width": "d", "lr": "lr", "depth": "L"}
     return " ".join([key[0], *(f"{short[TREND_AXES[i].name]} {key[1 + j]:g}"
                                for i, j in zip(axes, at, strict=True))])
