@@ -164,7 +164,7 @@ def transfer_section(rows: list[TransferRow], figure: str | None) -> list[str]:
         b, c, gap = r.best, r.centre, r.centre_gap_pct
         shape = f"d {r.width} x {r.depth}" + (" (tuned)" if r.base else "")
         L.append(f"| {r.family} | {shape} | {len(r.cells)} | {b.lr:g}, {b.alpha:g}, "
-                 f"{b.loss:.4f} | {r.lr_steps:+.0f}, {r.alpha_steps:+.0f} | "
+                 f"{b.loss:.4f} | {r.lr_steps:+.1f}, {r.alpha_steps:+.1f} | "
                  f"{'-' if c is None else f'{c.loss:.4f}'} | "
                  f"{'-' if gap is None else f'{gap:+.2f}%'} | "
                  f"{'(the tuned shape)' if r.base else r.verdict} |")
