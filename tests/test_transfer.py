@@ -95,8 +95,16 @@ def test_an_optimum_two_steps_away_fails_even_within_tolerance():
     assert row.lr_steps == pytest.approx(2.0) and row.verdict == "fails"
 
 
-def test_one_shape_makes_no_transfer_table():
+def test_one_shape_or_an_untuned_base_makes_no_transfer_table():
     assert transfer_rows(SimpleNamespace(groups=base_grid("base"))) == []
+    probe = [group("probe", 128, 4, 1e-2, 1.0, 1.7), group("probe", 256, 4, 1e-2, 1.0, 1.6)]
+    assert transfer_rows(SimpleNamespace(groups=probe)) == []
+
+
+def test_a_shape_that_ran_only_the_carried_setting_is_not_judged():
+    row = rows_of(base_grid("base") + [group("base", 256, 4, 1e-2, 1.0, 1.6)])[
+        ("base", 256, 4)]
+    assert row.centre is row.best and row.verdict == "one cell"
 
 
 def _run(status: str, windows: float | None, long: float | None) -> RunData:
@@ -123,19 +131,19 @@ def test_a_sweep_over_two_widths_reports_the_transfer_table(tmp_path, data_dir):
 name = "baseline-lr"
 family = "baseline"
 rule = "baseline"
-lr = 2e-3
+grid = { lr = [5e-4, 2e-3, 4e-3] }
 
 [[variant]]
 name = "baseline-wide"
 family = "baseline"
 rule = "baseline"
 n_embd = 32
-grid = { lr = [1e-3, 2e-3] }
+grid = { lr = [5e-4, 1e-3, 2e-3, 4e-3] }
 """)
     rows = {(r["family"], r["width"]): r for r in data["transfer"]}
     assert set(rows) == {("baseline", 16), ("baseline", 32)}  # qid ran at one shape
     base, wide = rows[("baseline", 16)], rows[("baseline", 32)]
-    assert base["base"] and base["cells"] == 2 and not wide["base"]
+    assert base["base"] and base["cells"] == 4 and not wide["base"]
     assert wide["centre"]["lr"] == base["best"]["lr"]
     assert wide["verdict"] in ("holds", "fails", "edge")
     assert "## Transfer from the tuned shape" in text and "(tuned)" in text

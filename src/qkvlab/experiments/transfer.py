@@ -22,6 +22,8 @@ from qkvlab.experiments.results import GroupResult, Report
 
 # the base setting's loss may exceed a shape's best by this much and still count as transferred
 TOLERANCE_PCT = 0.3
+# cells a family's tuned shape needs (a 2 x 2 grid at least) before its best is a tuned setting
+MIN_TUNED_CELLS = 4
 
 
 @dataclass(frozen=True)
@@ -85,10 +87,12 @@ class TransferRow:
     def verdict(self) -> str:
         """"holds", "fails" (the centre is more than TOLERANCE_PCT behind, or the best is more
         than one step away), "edge" (within tolerance, but the best sits at the edge of what
-        ran) or "no centre" (the base setting did not run here)."""
+        ran), "no centre" (the base setting did not run here) or "one cell" (only it ran)."""
         gap = self.centre_gap_pct
         if gap is None:
             return "no centre"
+        if len(self.cells) < 2:
+            return "one cell"  # nothing to compare the centre with
         far = abs(self.lr_steps) > 1.01 or abs(self.alpha_steps) > 1.01
         if gap > TOLERANCE_PCT or far:
             return "fails"
@@ -120,8 +124,8 @@ def _shape(g: GroupResult) -> tuple[int, int]:
 
 
 def transfer_rows(rep: Report) -> list[TransferRow]:
-    """Each family's row per shape, its base shape first, when it ran at two or more shapes
-    (empty otherwise)."""
+    """Each family's row per shape, its base shape first, when it ran at two or more shapes and
+    its tuned shape holds MIN_TUNED_CELLS cells or more (empty otherwise)."""
     by_family: dict[str, dict[tuple[int, int], list[Cell]]] = {}
     param: dict[str, str] = {}
     for g in rep.groups:
@@ -134,10 +138,10 @@ def transfer_rows(rep: Report) -> list[TransferRow]:
         param[g.group.family] = cfg.model.parametrization
     rows: list[TransferRow] = []
     for family, shapes in by_family.items():
-        if len(shapes) < 2:
-            continue
         # the tuned shape: the most cells, the smaller shape on a tie
         base = max(shapes, key=lambda s: (len(shapes[s]), -s[0] * s[1]))
+        if len(shapes) < 2 or len(shapes[base]) < MIN_TUNED_CELLS:
+            continue
         optimum = min(shapes[base], key=lambda c: c.loss)
         for shape in [base, *sorted(s for s in shapes if s != base)]:
             rows.append(TransferRow(family, *shape, shape == base, tuple(shapes[shape]),
