@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ class IsoCurve:
     seed: int  # the seed the curve (and each minimum) is read at
     points: tuple[IsoPoint, ...]  # by params
 
-    @property
+    @cached_property  # read by vertex, inside, the plot and the JSON: fitted once
     def fit(self) -> tuple[float, float, float] | None:
         """(a, b, c) of loss = a x^2 + b x + c, x = ln N (None: fewer than 3 sizes)."""
         if len(self.points) < 3:
