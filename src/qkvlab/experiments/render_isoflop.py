@@ -44,8 +44,9 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
                      f"{_pct(f.rel_pct) if f else '-'} {ci} | {holm} | "
                      f"{'-' if eq is None or eq.p is None else f'{eq.p:.3g}'} | "
                      f"{_pct(g.vertex_gap_pct)} |")
+    paper = paper_flops()
     for t in trends:
-        at, paper = t.at(paper_flops()), paper_flops()
+        at = t.at(paper)
         L += ["", f"- **{t.family}'s gap against compute** (least squares over {t.n} fresh "
               f"pairs): {t.slope:+.3f} percentage points per decade of FLOPs. Extrapolated to "
               f"the paper's run ({paper:.2g} FLOPs, GPT-2 small on 51.6B tokens): "
