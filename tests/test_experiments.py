@@ -115,6 +115,21 @@ def test_bad_variant_values_are_refused_when_resolved():
         spec.groups()
 
 
+def test_a_size_rule_derives_from_the_variants_own_shape_and_its_fields_win():
+    spec = parse('[spec]\nname = "s"\nbase = "compare-quick"\n'
+                 '[[variant]]\nname = "a"\nbaseline = true\nrule = "baseline"\n'
+                 '[[variant]]\nname = "w"\nrule = "q-identity-wide"\nn_embd = 256\n'
+                 'n_head = 4\nattn_scale = "1/sqrt(d_k)"\nweight_decay = 0.1\n'
+                 'grid = { n_layer = [2, 3] }\n')
+    wide = [g.config for g in spec.groups() if g.family == "w"]
+    assert [c.model.n_layer for c in wide] == [2, 3]
+    for cfg in wide:
+        m = cfg.model
+        # the d^2 per layer W_Q = I saves at d = 256 (not at the base's width) goes to the MLP
+        assert (m.n_embd, m.hidden, m.projection) == (256, 4 * 256 + 128, "q-identity")
+        assert m.alpha == pytest.approx(1.0) and cfg.optim.weight_decay == 0.1
+
+
 # docs/paper.md section 5, written out: query, MLP hidden, d, scale, weight decay, total params
 PAPER_TABLE = {
     "baseline": ("baseline", 3072, 768, 1 / 8, 0.1, 124_373_760),

@@ -15,7 +15,7 @@ from helpers import refused, tiny_config
 from qkvlab.cli import main
 from qkvlab.errors import QkvlabError
 from qkvlab.experiments.spec import config_identity, load_spec
-from qkvlab.model.params import flops_per_token
+from qkvlab.model.params import count_params, flops_per_token
 from qkvlab.run.config import RunConfig, load_config, save_config
 from qkvlab.run.metrics import read_metrics
 from qkvlab.train import trainer
@@ -229,17 +229,28 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 30 and sum(g.baseline for g in groups) == 1
+    assert len(groups) == 35 and sum(g.baseline for g in groups) == 1
     cells = {(g.family, g.config.model.n_embd, g.config.train.flop_budget) for g in groups}
-    assert cells == {(arm, d, b) for arm in ("baseline", "q-identity")
-                     for d in (64, 128, 192, 256, 320) for b in (1e13, 4e13, 1.6e14)}
+    widths = (64, 128, 192, 256, 320)
+    assert cells == {(arm, d, b) for arm in ("baseline", "q-identity") for d in widths
+                     for b in (1e13, 4e13, 1.6e14)} | {("q-identity-wide", d, 4e13)
+                                                       for d in widths}
+    params = {(g.family, g.config.model.n_embd): count_params(g.config.model).non_embedding
+              for g in groups}
     for g in groups:
         cfg, m = g.config, g.config.model
         assert g.name == f"{g.family}-d{m.n_embd}.flops{cfg.train.flop_budget:g}".replace(
             "e+", "e")
         assert m.d_head == 64 and m.n_head == m.n_embd // 64 and m.n_layer == 4
-        assert m.parametrization == "mup" and m.projection == g.family
+        assert m.parametrization == "mup" and m.projection == g.family.removesuffix("-wide")
         budget = cfg.train.flop_budget
         assert budget - cfg.flops_per_step < cfg.train_flops <= budget
         assert cfg.decay_steps == cfg.steps and cfg.warmup_steps == round(0.1 * cfg.steps)
-        assert (cfg.optim.lr, m.alpha) == (4e-3, 1.0)  # the placeholders
+        assert cfg.optim.lr == 1.6e-2 and cfg.optim.weight_decay == 0.1
+        # W_Q = I carries its base alpha; the baseline's follows its measured 128 / d
+        want = 1.0 if g.family != "baseline" else round(128 / m.n_embd, 3)
+        assert m.alpha == pytest.approx(want)
+        if g.family == "q-identity-wide":
+            # the MLP gets the d^2 per layer W_Q = I saves at this width, not at the base's
+            assert m.hidden == 4 * m.n_embd + m.n_embd // 2
+            assert params[g.family, m.n_embd] == params["baseline", m.n_embd]

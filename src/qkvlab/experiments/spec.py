@@ -327,12 +327,21 @@ def group_name(variant: str, point: dict[str, Any]) -> str:
 def variant_config(base: RunConfig, v: VariantSpec, point: dict[str, Any], where: str,
                    user: frozenset[str] = frozenset()) -> RunConfig:
     """base -> rule (the `user` keys kept, experiments/rules.py) -> fields -> grid point -> the
-    variant's `set`, validated as a RunConfig, its attention kernel that of this machine."""
-    try:
-        data = (apply_rule(base, v.rule, user) if v.rule else base).to_dict()
-        for key, value in {**v.fields, **point}.items():
+    variant's `set`, validated as a RunConfig, its attention kernel that of this machine. The
+    fields and grid point are set before the rule too, so that a rule deriving a size (a wider
+    MLP) derives it from the variant's own shape, not the base's."""
+    fields = {**v.fields, **point}
+
+    def with_fields(cfg: RunConfig) -> dict[str, Any]:
+        data = cfg.to_dict()
+        for key, value in fields.items():
             set_key(data, VARIANT_FIELDS[key], key, value)  # a budget replaces max_steps
-        data = apply_overrides(data, list(v.set))
+        return data
+
+    try:
+        if v.rule:
+            base = apply_rule(RunConfig.from_dict(with_fields(base)), v.rule, user)
+        data = apply_overrides(with_fields(base), list(v.set))
         return _on_this_machine(RunConfig.from_dict(data))
     except QkvlabError as exc:
         raise _err(where + (f" at {point}" if point else ""), str(exc)) from None
