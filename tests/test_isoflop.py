@@ -12,10 +12,16 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from qkvlab.experiments.isoflop import budget_gaps, gap_trend, isoflop_curves, paper_flops
+from qkvlab.experiments.isoflop import (
+    budget_gaps,
+    gap_trend,
+    isoflop_curves,
+    paper_flops,
+    scaling_fit,
+)
 from qkvlab.experiments.runs import RunData
 from qkvlab.model import ModelConfig
-from qkvlab.model.params import count_params
+from qkvlab.model.params import count_params, flops_per_token
 
 WIDTHS = (64, 128, 192, 256, 320)
 
@@ -109,6 +115,35 @@ def test_the_gap_trend_is_least_squares_in_log_compute():
     assert gap_trend(gaps[:1], "qid") is None
 
 
+@pytest.mark.parametrize("law", [(1.5, 60.0, 0.35, 200.0, 0.33), (1.2, 400.0, 0.5, 50.0, 0.2)])
+def test_the_scaling_fit_recovers_a_known_law_and_its_optimum_along_each_budget(law):
+    E, A, a, B, b = law
+
+    def loss(w: int, budget: float) -> float:
+        m = model(w)
+        return E + A / count_params(m).non_embedding ** a + B / (budget / flops_per_token(m)) ** b
+
+    budgets = (1e13, 4e13, 1.6e14)
+    groups = [group("fam", w, c, {1: loss(w, c)}) for c in budgets for w in WIDTHS]
+    curves = isoflop_curves(SimpleNamespace(groups=groups))
+    fit = scaling_fit(curves, "fam")
+    assert (fit.points, fit.budgets) == (15, 3)
+    assert (fit.E, fit.A, fit.a, fit.B, fit.b) == pytest.approx(law, rel=1e-3)
+    for c in curves:
+        n_star = fit.optimum(c)
+        grid = np.exp(np.linspace(*np.log([c.points[0].params, c.points[-1].params]), 2000))
+        # the true optimum along the budget, D(N) log-linear between the sizes as the fit has it
+        d = c.budget / np.exp(np.interp(np.log(grid), np.log([p.params for p in c.points]),
+                                        np.log([p.flops_per_token for p in c.points])))
+        true = grid[np.argmin(E + A / grid ** a + B / d ** b)]
+        if true in (grid[0], grid[-1]):
+            assert n_star is None  # the law's optimum at an end of the sizes: only a bound
+        else:
+            assert n_star == pytest.approx(true, rel=0.01)
+    # one budget (or too few points) fits nothing: 5 parameters
+    assert scaling_fit(curves[:1], "fam") is None
+
+
 def test_the_papers_run_is_counted_as_qkvlab_counts_compute():
     # 6N + attention per token for GPT-2 small at context 1024, times 51.6B tokens
     assert 3e19 < paper_flops() < 5e19
@@ -164,3 +199,6 @@ grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
     assert "## IsoFLOP: the arms at equal compute" in text
     assert (rep / "isoflop.png").stat().st_size > 5_000
     assert (rep / "isoflop_gap.png").stat().st_size > 5_000
+    # loss against compute and against the time each run took, measured
+    assert (rep / "isoflop_frontier.png").stat().st_size > 5_000
+    assert "its training time (s)" in text and "isoflop_frontier.png" in text

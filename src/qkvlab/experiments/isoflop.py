@@ -44,6 +44,16 @@ class IsoPoint:
     params: int  # non-embedding
     loss: float  # final loss at the curve's seed
     runs: tuple[RunData, ...]  # every finished run of the group
+    flops_per_token: float  # training, as qkvlab counts it: the budget buys budget / this
+
+    def tokens(self, budget: float) -> float:
+        return budget / self.flops_per_token
+
+    def seconds(self, seed: int) -> float | None:
+        """Seed `seed`'s training time, measured: its tokens over its median logged throughput
+        (robust to a resume, which restarts the run's own clock)."""
+        run = next((r for r in self.runs if r.seed == seed), None)
+        return run.tokens / run.tokens_per_s if run and run.tokens and run.tokens_per_s else None
 
 
 @dataclass(frozen=True)
@@ -156,7 +166,8 @@ def isoflop_curves(rep: Report) -> list[IsoCurve]:
             m = g.group.config.model
             loss = next(r.final_loss for r in _done(g) if r.seed == seed)
             points.append(IsoPoint(g.group.name, m.n_embd, m.n_layer,
-                                   count_params(m).non_embedding, loss, tuple(_done(g))))
+                                   count_params(m).non_embedding, loss, tuple(_done(g)),
+                                   flops_per_token(m)))
         curves.append(IsoCurve(family, budget, seed, tuple(sorted(points,
                                                                   key=lambda p: p.params))))
     return curves
@@ -203,6 +214,72 @@ def gap_trend(gaps: list[BudgetGap], family: str) -> GapTrend | None:
     sd = math.sqrt(float(resid @ resid) / (len(x) - 2))
     return GapTrend(family, float(slope), float(intercept), len(x), float(x.mean()),
                     float(((x - x.mean()) ** 2).sum()), sd)
+
+
+@dataclass(frozen=True)
+class ScalingFit:
+    """L(N, D) = E + A / N^a + B / D^b through every size and budget of a family at the curves'
+    seed (Hoffmann et al.'s approach 3: a Huber loss on ln L, the best of a grid of starts), D
+    the tokens each budget buys. It checks the parabolas' vertices, which a wide or off-centre
+    grid of sizes biases: its optimum along a budget is the N that minimises L(N, C / F(N)),
+    F(N) the FLOPs per token, log-linear between the sizes run."""
+
+    family: str
+    E: float
+    A: float
+    a: float
+    B: float
+    b: float
+    points: int
+    budgets: int
+
+    def loss(self, n: float, d: float) -> float:
+        return self.E + self.A / n ** self.a + self.B / d ** self.b
+
+    def optimum(self, curve: IsoCurve) -> float | None:
+        """N* along `curve`'s budget, within the sizes run (None: at an end of them, a bound)."""
+        ln_n = np.log([p.params for p in curve.points])
+        ln_f = np.log([p.flops_per_token for p in curve.points])
+        grid = np.linspace(ln_n[0], ln_n[-1], 400)
+        d = curve.budget / np.exp(np.interp(grid, ln_n, ln_f))
+        best = int(np.argmin([self.loss(math.exp(x), t) for x, t in zip(grid, d, strict=True)]))
+        return math.exp(grid[best]) if 0 < best < len(grid) - 1 else None
+
+
+HUBER_DELTA = 1e-3  # Hoffmann et al.'s, on ln L
+_STARTS = [(e, a, al, b, be) for e in (0.0, 0.5) for a in (0.0, 5.0, 15.0) for al in (0.3, 0.7)
+           for b in (0.0, 5.0, 15.0) for be in (0.3, 0.7)]
+
+
+def scaling_fit(curves: list[IsoCurve], family: str) -> ScalingFit | None:
+    """The family's L(N, D) fit (None: fewer than 2 budgets or 6 points, 5 parameters)."""
+    from scipy.optimize import minimize  # only here: the fit is the one optimiser qkvlab runs
+
+    mine = [c for c in curves if c.family == family]
+    rows = [(p.params, p.tokens(c.budget), p.loss) for c in mine for p in c.points]
+    if len(mine) < 2 or len(rows) < 6:
+        return None
+    ln_n, ln_d, ln_l = (np.log([r[i] for r in rows]) for i in range(3))
+
+    def objective(x: np.ndarray) -> tuple[float, np.ndarray]:
+        e, a, alpha, b, beta = x
+        terms = np.stack([a - alpha * ln_n, b - beta * ln_d, np.full_like(ln_n, e)])
+        pred = np.logaddexp.reduce(terms, axis=0)
+        w = np.exp(terms - pred)  # d pred / d (a, b, e)
+        r = pred - ln_l
+        small = np.abs(r) <= HUBER_DELTA
+        value = np.where(small, 0.5 * r * r, HUBER_DELTA * (np.abs(r) - 0.5 * HUBER_DELTA))
+        slope = np.where(small, r, HUBER_DELTA * np.sign(r))
+        grad = [slope @ w[2], slope @ w[0], -(slope * w[0]) @ ln_n, slope @ w[1],
+                -(slope * w[1]) @ ln_d]
+        return float(value.sum()), np.array(grad)
+
+    best = min((minimize(objective, np.array(x0), jac=True, method="L-BFGS-B")
+                for x0 in _STARTS),
+               key=lambda res: res.fun)
+    e, a, alpha, b, beta = (float(v) for v in best.x)
+    return ScalingFit(family, math.exp(e), math.exp(a), alpha, math.exp(b), beta, len(rows),
+                      len(mine))
 
 
 # The paper's GPT-2 small run (docs/paper.md section 5): 12 x 768, context 1024, vocab 50304,

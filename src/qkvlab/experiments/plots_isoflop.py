@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve
+from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve, IsoPoint
 from qkvlab.experiments.plot_layout import (
     facets,
     legend_beside,
@@ -105,3 +105,41 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
     suptitle(fig, f"{title}\nline: least squares in log10 C with its 95% band; dashed: an "
                   "extrapolation across orders of magnitude, not a measurement")
     save(plt, fig, path)
+
+
+def plot_frontier(curves: list[IsoCurve], title: str, path: Path,
+                  colors: dict[str, str] | None = None) -> bool:
+    """Loss against training FLOPs and against measured training time: every run at the curves'
+    seed (faint), each budget's minimum joined per family. False (nothing drawn) when no run
+    logged its throughput."""
+    timed = [(c, p, p.seconds(c.seed)) for c in curves for p in c.points]
+    if not any(t for _, _, t in timed):
+        return False
+    plt = pyplot()
+    colors = colors or variant_colors(list(dict.fromkeys(c.family for c in curves)))
+    fig, axes = facets(plt, 2, ncols=2, sharey=True)
+    for ax, axis in zip(axes, ("flops", "seconds"), strict=True):
+        for fam in dict.fromkeys(c.family for c in curves):
+            mine = [(c, p, t) for c, p, t in timed if c.family == fam]
+            best: dict[float, tuple[IsoPoint, float | None]] = {}
+            for c, p, t in mine:
+                if p is c.minimum:
+                    best[c.budget] = (p, t)
+            x = [c.budget if axis == "flops" else t for c, _, t in mine]
+            keep = [i for i, v in enumerate(x) if v]
+            ax.plot([x[i] for i in keep], [mine[i][1].loss for i in keep], "o",
+                    color=colors[fam], alpha=0.25, ms=4)
+            line = sorted((b if axis == "flops" else t, p.loss)
+                          for b, (p, t) in best.items() if (b if axis == "flops" else t))
+            ax.plot([v[0] for v in line], [v[1] for v in line], "o-", color=colors[fam],
+                    label=f"{fam}: each budget's best size")
+        ax.set_xscale("log")
+        ax.set(xlabel="training FLOPs (qkvlab's count)" if axis == "flops" else
+               "training time, measured (s; tokens / median throughput)",
+               ylabel="final validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+    legend_beside(axes[-1])
+    suptitle(fig, f"{title}\nfaint: every size run (the curves' seed); joined: each budget's "
+                  "lowest; time on the machine that ran each, runs two at a time")
+    save(plt, fig, path)
+    return True

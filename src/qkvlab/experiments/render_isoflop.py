@@ -3,15 +3,20 @@ arms compared at their minima over fresh seeds, and the gap's trend against comp
 
 from __future__ import annotations
 
-from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve, paper_flops
+from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve, ScalingFit, paper_flops
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.2f}%"
 
 
+def _size(n: float | None) -> str:
+    return "at an end of the sizes (a bound)" if n is None else f"{n:,.0f}"
+
+
 def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[GapTrend],
-                    margin_pct: float, plots: dict[str, str]) -> list[str]:
+                    fits: list[ScalingFit], margin_pct: float,
+                    plots: dict[str, str]) -> list[str]:
     if not curves:
         return []
     L = ["", "## IsoFLOP: the arms at equal compute", "",
@@ -22,14 +27,25 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
          f"it (paired by seed; Holm over the budgets; TOST at ±{margin_pct:g}%).", ""]
     if "isoflop" in plots:
         L += [f"![loss against parameters at each budget]({plots['isoflop']})", ""]
-    L += ["| budget (FLOPs) | family | sizes | minimum run: d x L, N, loss | vertex N*, loss* |",
-          "|---|---|---|---|---|"]
+    by_family = {f.family: f for f in fits}
+    L += ["| budget (FLOPs) | family | sizes | minimum run: d x L, N, loss | vertex N*, loss* "
+          "| L(N, D) fit's N* | its training time (s) |", "|---|---|---|---|---|---|---|"]
     for c in curves:
-        m, v = c.minimum, c.vertex
+        m, v, f = c.minimum, c.vertex, by_family.get(c.family)
         vertex = "no minimum (opens down)" if c.fit and not v else "-" if not v else (
             f"{v[0]:,.0f}, {v[1]:.4f}" + ("" if c.inside else " (outside the sizes run)"))
+        n_fit = "-" if f is None else _size(f.optimum(c))
+        seconds = m.seconds(c.seed)
         L.append(f"| {c.budget:.3g} | {c.family} | {len(c.points)} | d {m.width} x {m.depth}, "
-                 f"{m.params:,}, {m.loss:.4f} | {vertex} |")
+                 f"{m.params:,}, {m.loss:.4f} | {vertex} | {n_fit} | "
+                 f"{'-' if seconds is None else f'{seconds:,.0f}'} |")
+    for f in fits:
+        L += ["", f"- **{f.family}'s L(N, D)** through its {f.points} sizes at {f.budgets} "
+              f"budgets (Huber on ln L): E = {f.E:.3f}, A = {f.A:.3g}, a = {f.a:.3f}, "
+              f"B = {f.B:.3g}, b = {f.b:.3f}; its N* along each budget, in the table, checks "
+              "the parabola's vertex."]
+    if "isoflop_frontier" in plots:
+        L += ["", f"![loss against training FLOPs and training time]({plots['isoflop_frontier']})"]
     if gaps:
         L += ["", "| budget | family vs reference (minima) | fresh seeds | gap [95% CI] | "
               f"Holm p | TOST ±{margin_pct:g}% p | parabolas' minima |",

@@ -27,6 +27,7 @@ written by qkvlab.experiments.render.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +39,12 @@ from qkvlab.experiments.isoflop import (
     BudgetGap,
     GapTrend,
     IsoCurve,
+    ScalingFit,
     budget_gaps,
     gap_trend,
     isoflop_curves,
     paper_flops,
+    scaling_fit,
 )
 from qkvlab.experiments.machines import machine_report, with_warning
 from qkvlab.experiments.plots import (
@@ -53,7 +56,7 @@ from qkvlab.experiments.plots import (
     plot_rel,
     trend_gap_panels,
 )
-from qkvlab.experiments.plots_isoflop import plot_gap_trend, plot_isoflop
+from qkvlab.experiments.plots_isoflop import plot_frontier, plot_gap_trend, plot_isoflop
 from qkvlab.experiments.plots_scan import plot_best_alpha, plot_scale_scan
 from qkvlab.experiments.plots_transfer import plot_transfer
 from qkvlab.experiments.render import render_markdown
@@ -276,6 +279,7 @@ class IsoFlop:
     curves: list[IsoCurve]
     gaps: list[BudgetGap]
     trends: list[GapTrend]
+    fits: list[ScalingFit]
 
     @classmethod
     def of(cls, rep: Report, out: Path, plots: dict[str, str]) -> IsoFlop:
@@ -283,23 +287,31 @@ class IsoFlop:
         gaps = budget_gaps(curves, rep.baseline.group.family)
         trends = [t for fam in dict.fromkeys(g.family for g in gaps)
                   if (t := gap_trend(gaps, fam)) is not None]
+        fits = [f for fam in dict.fromkeys(c.family for c in curves)
+                if (f := scaling_fit(curves, fam)) is not None]
         colors = family_colors(rep)
         if curves:
             plot_isoflop(curves, f"{rep.spec.name}: final loss against size at equal "
                          "training compute", out / "isoflop.png", colors)
             plots["isoflop"] = "isoflop.png"
+        if curves and plot_frontier(curves, f"{rep.spec.name}: loss against compute and "
+                                    "against time", out / "isoflop_frontier.png", colors):
+            plots["isoflop_frontier"] = "isoflop_frontier.png"
         if any(g.fresh for g in gaps):
             plot_gap_trend(gaps, trends, rep.margin_pct, f"{rep.spec.name}: the gap of the "
                            "arms' minima against compute", out / "isoflop_gap.png",
                            extrapolate_to=paper_flops() if trends else None, colors=colors)
             plots["isoflop_gap"] = "isoflop_gap.png"
-        return cls(curves, gaps, trends)
+        return cls(curves, gaps, trends, fits)
 
     def as_dict(self, margin_pct: float) -> dict[str, Any] | None:
         if not self.curves:
             return None
         paper = paper_flops()
-        return {"curves": [c.as_dict() for c in self.curves],
+        fits = {f.family: f for f in self.fits}
+        return {"curves": [{**c.as_dict(), "fit_optimum_params": fits[c.family].optimum(c)
+                            if c.family in fits else None} for c in self.curves],
+                "scaling_fits": [dataclasses.asdict(f) for f in self.fits],
                 "gaps": [g.as_dict(margin_pct) for g in self.gaps],
                 "trends": [{"family": t.family, "slope_pct_per_decade": t.slope,
                             "intercept_pct": t.intercept, "pairs": t.n,
@@ -331,7 +343,8 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     section = (scan_section(scan.cells, scan.tuned, rep.baseline.group.family, plots,
                             scan.rules, scan.alphas)
                + transfer_section(rows, plots.get("transfer"))
-               + isoflop_section(iso.curves, iso.gaps, iso.trends, rep.margin_pct, plots))
+               + isoflop_section(iso.curves, iso.gaps, iso.trends, iso.fits, rep.margin_pct,
+                               plots))
     top = headline_section(head, rep.baseline.group.name, plots.get("headline"))
     write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section, top),
                                          machines))
