@@ -7,9 +7,12 @@ PyTorch's SDPA kernel (the GPU's fastest; the CPU studies use eager).
 
 mup-isoflop-gpu: the IsoFLOP ladder of mup-isoflop continued past its 1.6e14 on the same 4-layer
 family and settings: 6.4e14, 2.56e15 and 1.024e16 training FLOPs, five widths per budget (steps
-of 64) centred on ~20 tokens per parameter. Not 12 layers at d = 768-1024: the english corpus
-holds 35M training bytes, and a compute-optimal model of that size (85M parameters at d = 768)
-would read 1.7G tokens, 50 passes over it. On this ladder the guess at 1.024e16 reads it ~5 times.
+of 64) centred on ~20 tokens per parameter, in bf16 (the CPU stage's fp32 is for CPUs without
+AMX), each arm at mup-isoflop's rule: W_Q = I at its base alpha, the baseline at its base
+alpha x 128 / d (its best alpha halved from d = 128 to 256 under μP). Not 12 layers at
+d = 768-1024: the english corpus holds 35M training bytes, and a compute-optimal model of that
+size (85M parameters at d = 768) would read 1.7G tokens, 50 passes over it. On this ladder the
+guess at 1.024e16 reads it ~5 times.
 
 Each arm's base setting: --lr and --alpha for both arms where given; else that arm's best of the
 base grid (the lowest mean final val loss at d = 128, 4 layers) where its report
@@ -89,6 +92,12 @@ def _base_grid_best() -> dict[str, tuple[float, float, float]]:
     return best
 
 
+def width_alpha(arm: str, alpha: float, width: int) -> float:
+    """The arm's alpha at `width` on the IsoFLOP ladder: the baseline's falls as 128 / d (its
+    measured trend under μP, mup-isoflop's rule), W_Q = I's is carried unchanged."""
+    return round(alpha * BASE_SHAPE[0] / width, 3) if arm == "baseline" else alpha
+
+
 def _scale(alpha: float) -> str:
     return f"{alpha:g}/sqrt(d_k)"
 
@@ -149,7 +158,7 @@ def isoflop_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
                  extra: list[str]) -> tuple[dict[str, Any], dict[float, list[int]]]:
     """One variant per arm, width and budget, each the group it names."""
     base = load_spec("mup-isoflop")
-    head = [*base.set, "model.attn_impl=sdpa", *extra]
+    head = [*base.set, "model.attn_impl=sdpa", "train.dtype=bf16", *extra]
 
     def config(width: int, budget: float) -> RunConfig:
         return load_config(base.base_source(), [*head, f"model.n_embd={width}",
@@ -169,7 +178,8 @@ def isoflop_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
             for w in widths:
                 name = group_name(f"{arm}-d{w}", {"flop_budget": budget})  # as a grid names it
                 variants.append({"name": name, "family": arm, "rule": arm, **_shape(w),
-                                 "flop_budget": budget, "lr": lr, "attn_scale": _scale(alpha),
+                                 "flop_budget": budget, "lr": lr,
+                                 "attn_scale": _scale(width_alpha(arm, alpha, w)),
                                  **({"baseline": True} if not variants else {})})
     spec = {"spec": {
         "name": "mup-isoflop-gpu",

@@ -64,6 +64,10 @@ def test_smoke_mode_writes_the_coordinate_checks_and_the_run_records(tmp_path):
         budget = config["train"]["flop_budget"]
         assert "max_steps" not in config["train"]
         assert name == group_name(name.split(".flops")[0], {"flop_budget": budget})
+        # the baseline's alpha falls as 128 / d (mup-isoflop's rule), W_Q = I's is carried
+        width = config["model"]["n_embd"]
+        alpha = 128 / width if name.startswith("baseline") else 1
+        assert config["model"]["attn_scale"] == f"{alpha:g}/sqrt(d_k)"
         # every run spent its budget, less than one step's FLOPs left over
         per_step = summary["train_flops"] / summary["steps"]
         assert budget - per_step < summary["train_flops"] <= budget
