@@ -274,7 +274,7 @@ def _draw(rep: Report, out: Path, scan: ScaleScan, head: Headline) -> dict[str, 
 
 @dataclass(frozen=True)
 class IsoFlop:
-    """A sweep's IsoFLOP analysis (experiments/isoflop.py), its figures drawn into `plots`."""
+    """A sweep's IsoFLOP analysis (experiments/isoflop.py) and its figures."""
 
     curves: list[IsoCurve]
     gaps: list[BudgetGap]
@@ -282,27 +282,31 @@ class IsoFlop:
     fits: list[ScalingFit]
 
     @classmethod
-    def of(cls, rep: Report, out: Path, plots: dict[str, str]) -> IsoFlop:
+    def of(cls, rep: Report) -> IsoFlop:
         curves = isoflop_curves(rep)
         gaps = budget_gaps(curves, rep.baseline.group.family)
         trends = [t for fam in dict.fromkeys(g.family for g in gaps)
                   if (t := gap_trend(gaps, fam)) is not None]
         fits = [f for fam in dict.fromkeys(c.family for c in curves)
                 if (f := scaling_fit(curves, fam)) is not None]
-        colors = family_colors(rep)
-        if curves:
-            plot_isoflop(curves, f"{rep.spec.name}: final loss against size at equal "
-                         "training compute", out / "isoflop.png", colors)
-            plots["isoflop"] = "isoflop.png"
-        if curves and plot_frontier(curves, f"{rep.spec.name}: loss against compute and "
-                                    "against time", out / "isoflop_frontier.png", colors):
-            plots["isoflop_frontier"] = "isoflop_frontier.png"
-        if any(g.fresh for g in gaps):
-            plot_gap_trend(gaps, trends, rep.margin_pct, f"{rep.spec.name}: the gap of the "
-                           "arms' minima against compute", out / "isoflop_gap.png",
-                           extrapolate_to=paper_flops() if trends else None, colors=colors)
-            plots["isoflop_gap"] = "isoflop_gap.png"
         return cls(curves, gaps, trends, fits)
+
+    def draw(self, rep: Report, out: Path, plots: dict[str, str]) -> None:
+        """The figures, each named in `plots` when drawn."""
+        name, colors = rep.spec.name, family_colors(rep)
+        if not self.curves:
+            return
+        plot_isoflop(self.curves, f"{name}: final loss against size at equal training compute",
+                     out / "isoflop.png", colors)
+        plots["isoflop"] = "isoflop.png"
+        if plot_frontier(self.curves, f"{name}: loss against compute and against time",
+                         out / "isoflop_frontier.png", colors):
+            plots["isoflop_frontier"] = "isoflop_frontier.png"
+        if any(g.fresh for g in self.gaps):
+            plot_gap_trend(self.gaps, self.trends, rep.margin_pct, f"{name}: the gap of the "
+                           "arms' minima against compute", out / "isoflop_gap.png",
+                           extrapolate_to=paper_flops() if self.trends else None, colors=colors)
+            plots["isoflop_gap"] = "isoflop_gap.png"
 
     def as_dict(self, margin_pct: float) -> dict[str, Any] | None:
         if not self.curves:
@@ -329,7 +333,8 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
     if plot_transfer(rows, f"{rep.spec.name}: does the tuned setting carry across shapes?",
                      out / "transfer.png"):
         plots["transfer"] = "transfer.png"
-    iso = IsoFlop.of(rep, out, plots)
+    iso = IsoFlop.of(rep)
+    iso.draw(rep, out, plots)
     # a sweep over budgets or shapes asks the question its own figure answers
     for answer in ("isoflop", "transfer"):
         if answer in plots:
