@@ -347,9 +347,10 @@ def test_every_scheme_traces_as_one_graph(projection):
 
 @pytest.mark.slow
 def test_compiled_bench_end_to_end(tmp_path):
-    """The real thing: inductor (needs a C++ compiler on CPU), two schemes, training only."""
+    """The real thing: inductor (needs a C++ compiler on CPU), two schemes, training only; fp32,
+    which every CPU runs natively (bf16 compiles and runs ~100x slower without AMX)."""
     torch._dynamo.reset()
-    data = run_json(tmp_path, "--compile", "--no-inference")
+    data = run_json(tmp_path, "--compile", "--no-inference", "--dtype", "fp32")
     assert data["machine"]["compile"] is True
     assert all(d["train"]["tokens_per_s"]["median"] > 0 for d in data["schemes"].values())
 
