@@ -27,6 +27,8 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
     axis), the parabola in ln N through its points, its vertex (star; hollow when outside the
     sizes run) and, at its minimum, the fresh seeds' mean and range."""
     plt = pyplot()
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter  # after pyplot's backend
+
     budgets = sorted({c.budget for c in curves})
     colors = colors or variant_colors(list(dict.fromkeys(c.family for c in curves)))
     fig, axes = facets(plt, len(budgets), ncols=3, sharey=False)
@@ -50,6 +52,10 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                                                             [max(fresh) - mean]],
                             fmt="s", ms=4, capsize=3, color=color, alpha=0.8)
         ax.set_xscale("log")
+        # 100k, 200k, 500k, 1M ...: the default labels every minor tick on a short log span
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(EngFormatter(sep=""))
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set(xlabel="non-embedding parameters N", ylabel="final validation loss (nats/token)",
                title=f"{budget:.3g} training FLOPs")
         ax.grid(alpha=0.3)
