@@ -82,6 +82,21 @@ def test_a_curve_whose_vertex_lies_beyond_the_sizes_is_not_trusted():
     assert c.vertex is not None and not c.inside and c.minimum.width == 320
 
 
+def test_a_vertex_is_untrusted_when_the_lowest_size_run_is_an_end():
+    # a cliff: the narrowest size far below, the rest on a plateau; the parabola through three
+    # points puts its vertex between the sizes, but nothing brackets the minimum
+    losses = {64: 1.52, 128: 1.59, 192: 2.39}
+    groups = [group("baseline", w, 4e13, {1: v}) for w, v in losses.items()]
+    (c,) = isoflop_curves(SimpleNamespace(groups=groups))
+    assert c.vertex is not None
+    assert c.points[0].params < c.vertex[0] < c.points[-1].params
+    assert not c.bracketed and not c.inside and c.as_dict()["vertex_inside"] is False
+    # its gap to another curve's vertex is not reported
+    other = [group("qid", w, 4e13, {1: v - 0.03}) for w, v in losses.items()]
+    (gap,) = budget_gaps(isoflop_curves(SimpleNamespace(groups=groups + other)), "baseline")
+    assert gap.vertex_gap_pct is None
+
+
 def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
     curves = isoflop_curves(sweep())
     gaps = budget_gaps(curves, "baseline")

@@ -83,10 +83,19 @@ class IsoCurve:
         return math.exp(x), a * x * x + b * x + c
 
     @property
+    def bracketed(self) -> bool:
+        """The lowest size run has a size run on each side: the data bracket the minimum."""
+        i = self.points.index(self.minimum)
+        return 0 < i < len(self.points) - 1
+
+    @property
     def inside(self) -> bool:
-        """The vertex lies within the sizes run."""
+        """The vertex is trusted: the sizes run bracket the minimum and the vertex lies within
+        them (a parabola through a curve whose lowest point is an end, or through a cliff,
+        can put its vertex anywhere)."""
         v = self.vertex
-        return v is not None and self.points[0].params <= v[0] <= self.points[-1].params
+        return (v is not None and self.bracketed
+                and self.points[0].params <= v[0] <= self.points[-1].params)
 
     @property
     def minimum(self) -> IsoPoint:
@@ -100,6 +109,7 @@ class IsoCurve:
                             "params": p.params, "loss": p.loss} for p in self.points],
                 "fit": self.fit, "vertex_params": v[0] if v else None,
                 "vertex_loss": v[1] if v else None, "vertex_inside": self.inside,
+                "bracketed": self.bracketed,
                 "minimum": self.minimum.group}
 
 

@@ -24,8 +24,9 @@ from qkvlab.experiments.plot_layout import (
 def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                  colors: dict[str, str] | None = None) -> None:
     """One panel per budget: each family's final loss against non-embedding parameters (log
-    axis), the parabola in ln N through its points, its vertex (star; hollow when outside the
-    sizes run) and, at its minimum, the fresh seeds' mean and range."""
+    axis), the parabola in ln N through its points, its vertex (star; hollow when untrusted:
+    outside the sizes run, or the lowest run at an end) and, at its minimum, the fresh seeds'
+    mean and range."""
     plt = pyplot()
     from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter  # after pyplot's backend
 
@@ -61,8 +62,8 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
         ax.grid(alpha=0.3)
         legend_beside(ax)
     suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N; star: its vertex "
-                  "(hollow: outside the sizes run); squares: fresh seeds at the minimum "
-                  "(mean, range)")
+                  "(hollow: untrusted, outside the sizes or the lowest run at an end); squares: "
+                  "fresh seeds at the minimum (mean, range)")
     save(plt, fig, path)
 
 

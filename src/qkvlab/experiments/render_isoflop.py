@@ -33,7 +33,9 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
     for c in curves:
         m, v, f = c.minimum, c.vertex, by_family.get(c.family)
         vertex = "no minimum (opens down)" if c.fit and not v else "-" if not v else (
-            f"{v[0]:,.0f}, {v[1]:.4f}" + ("" if c.inside else " (outside the sizes run)"))
+            f"{v[0]:,.0f}, {v[1]:.4f}" + ("" if c.inside else " (untrusted: the lowest size run "
+                                          "is an end)" if not c.bracketed else
+                                          " (outside the sizes run)"))
         n_fit = "-" if f is None else _size(f.optimum(c))
         seconds = m.seconds(c.seed)
         L.append(f"| {c.budget:.3g} | {c.family} | {len(c.points)} | d {m.width} x {m.depth}, "
