@@ -14,6 +14,15 @@ def _size(n: float | None) -> str:
     return "at an end of the sizes (a bound)" if n is None else f"{n:,.0f}"
 
 
+def _vertex(c: IsoCurve) -> str:
+    v = c.vertex
+    if v is None:
+        return "no minimum (opens down)" if c.fit else "-"
+    why = ("" if c.inside else " (outside the sizes run)" if c.bracketed
+           else " (untrusted: the lowest size run is an end)")
+    return f"{v[0]:,.0f}, {v[1]:.4f}{why}"
+
+
 def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[GapTrend],
                     fits: list[ScalingFit], margin_pct: float,
                     plots: dict[str, str]) -> list[str]:
@@ -31,11 +40,8 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
     L += ["| budget (FLOPs) | family | sizes | minimum run: d x L, N, loss | vertex N*, loss* "
           "| L(N, D) fit's N* | its training time (s) |", "|---|---|---|---|---|---|---|"]
     for c in curves:
-        m, v, f = c.minimum, c.vertex, by_family.get(c.family)
-        vertex = "no minimum (opens down)" if c.fit and not v else "-" if not v else (
-            f"{v[0]:,.0f}, {v[1]:.4f}" + ("" if c.inside else " (untrusted: the lowest size run "
-                                          "is an end)" if not c.bracketed else
-                                          " (outside the sizes run)"))
+        m, f = c.minimum, by_family.get(c.family)
+        vertex = _vertex(c)
         n_fit = "-" if f is None else _size(f.optimum(c))
         seconds = m.seconds(c.seed)
         L.append(f"| {c.budget:.3g} | {c.family} | {len(c.points)} | d {m.width} x {m.depth}, "
