@@ -252,7 +252,7 @@ class ScalingFit:
         ln_f = np.log([p.flops_per_token for p in curve.points])
         grid = np.linspace(ln_n[0], ln_n[-1], 400)
         d = curve.budget / np.exp(np.interp(grid, ln_n, ln_f))
-        best = int(np.argmin([self.loss(math.exp(x), t) for x, t in zip(grid, d, strict=True)]))
+        best = int(np.argmin(self.loss(np.exp(grid), d)))  # loss takes arrays too
         return math.exp(grid[best]) if 0 < best < len(grid) - 1 else None
 
 

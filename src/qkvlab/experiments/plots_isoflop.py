@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve, IsoPoint
+from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve
 from qkvlab.experiments.plot_layout import (
     facets,
     legend_beside,
@@ -126,18 +126,14 @@ def plot_frontier(curves: list[IsoCurve], title: str, path: Path,
     colors = colors or variant_colors(list(dict.fromkeys(c.family for c in curves)))
     fig, axes = facets(plt, 2, ncols=2, sharey=True)
     for ax, axis in zip(axes, ("flops", "seconds"), strict=True):
+        def x_of(c: IsoCurve, t: float | None, axis: str = axis) -> float | None:
+            return c.budget if axis == "flops" else t
+
         for fam in dict.fromkeys(c.family for c in curves):
-            mine = [(c, p, t) for c, p, t in timed if c.family == fam]
-            best: dict[float, tuple[IsoPoint, float | None]] = {}
-            for c, p, t in mine:
-                if p is c.minimum:
-                    best[c.budget] = (p, t)
-            x = [c.budget if axis == "flops" else t for c, _, t in mine]
-            keep = [i for i, v in enumerate(x) if v]
-            ax.plot([x[i] for i in keep], [mine[i][1].loss for i in keep], "o",
+            mine = [(c, p, x_of(c, t)) for c, p, t in timed if c.family == fam and x_of(c, t)]
+            ax.plot([x for *_, x in mine], [p.loss for _, p, _ in mine], "o",
                     color=colors[fam], alpha=0.25, ms=4)
-            line = sorted((b if axis == "flops" else t, p.loss)
-                          for b, (p, t) in best.items() if (b if axis == "flops" else t))
+            line = sorted((x, p.loss) for c, p, x in mine if p is c.minimum)
             ax.plot([v[0] for v in line], [v[1] for v in line], "o-", color=colors[fam],
                     label=f"{fam}: each budget's best size")
         ax.set_xscale("log")
