@@ -229,19 +229,23 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 35 and sum(g.baseline for g in groups) == 1
-    cells = {(g.family, g.config.model.n_embd, g.config.train.flop_budget) for g in groups}
+    assert len(groups) == 39 and sum(g.baseline for g in groups) == 1
+    cells = {(g.family, g.config.model.n_embd, g.config.model.n_layer,
+              g.config.train.flop_budget) for g in groups}
     widths = (64, 128, 192, 256, 320)
-    assert cells == {(arm, d, b) for arm in ("baseline", "q-identity") for d in widths
-                     for b in (1e13, 4e13, 1.6e14)} | {("q-identity-wide", d, 4e13)
-                                                       for d in widths}
-    params = {(g.family, g.config.model.n_embd): count_params(g.config.model).non_embedding
-              for g in groups}
+    arms = ("baseline", "q-identity")
+    assert cells == ({(arm, d, 4, b) for arm in arms for d in widths
+                      for b in (1e13, 4e13, 1.6e14)}
+                     | {(arm, 64, 2, b) for arm in arms for b in (1e13, 4e13)}
+                     | {("q-identity-wide", d, 4, 4e13) for d in widths})
+    params = {(g.family, g.config.model.n_embd, g.config.model.n_layer):
+              count_params(g.config.model).non_embedding for g in groups}
     for g in groups:
         cfg, m = g.config, g.config.model
-        assert g.name == f"{g.family}-d{m.n_embd}.flops{cfg.train.flop_budget:g}".replace(
+        depth = "" if m.n_layer == 4 else f"-l{m.n_layer}"
+        assert g.name == f"{g.family}-d{m.n_embd}{depth}.flops{cfg.train.flop_budget:g}".replace(
             "e+", "e")
-        assert m.d_head == 64 and m.n_head == m.n_embd // 64 and m.n_layer == 4
+        assert m.d_head == 64 and m.n_head == m.n_embd // 64
         assert m.parametrization == "mup" and m.projection == g.family.removesuffix("-wide")
         budget = cfg.train.flop_budget
         assert budget - cfg.flops_per_step < cfg.train_flops <= budget
@@ -253,4 +257,4 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
         if g.family == "q-identity-wide":
             # the MLP gets the d^2 per layer W_Q = I saves at this width, not at the base's
             assert m.hidden == 4 * m.n_embd + m.n_embd // 2
-            assert params[g.family, m.n_embd] == params["baseline", m.n_embd]
+            assert params[g.family, m.n_embd, 4] == params["baseline", m.n_embd, 4]
