@@ -97,6 +97,23 @@ def test_a_vertex_is_untrusted_when_the_lowest_size_run_is_an_end():
     assert gap.vertex_gap_pct is None
 
 
+def test_the_parabola_reads_the_lowest_run_and_its_neighbours_not_the_plateau_far_off():
+    # the ends sit on the early plateau (too short a run for the size); the three sizes around
+    # the minimum lie on a bowl centred at d = 192: through all five the vertex would move
+    losses = {w: bowl(w, 192, 1.8) for w in (128, 192, 256)} | {64: 2.6, 320: 3.2}
+    groups = [group("baseline", w, 1e14, {1: v}) for w, v in losses.items()]
+    (c,) = isoflop_curves(SimpleNamespace(groups=groups))
+    assert [p.width for p in c.window] == [128, 192, 256] and c.bracketed and c.inside
+    n_star, l_star = c.vertex
+    assert n_star == pytest.approx(count_params(model(192)).non_embedding, rel=1e-6)
+    assert l_star == pytest.approx(1.8, abs=1e-9)
+    assert c.as_dict()["window"] == [p.group for p in c.window]
+    # at an end, the three sizes nearest it
+    ends = [group("baseline", w, 1e14, {1: 2.0 + w / 1000}) for w in WIDTHS]
+    (e,) = isoflop_curves(SimpleNamespace(groups=ends))
+    assert [p.width for p in e.window] == [64, 128, 192] and not e.inside
+
+
 def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
     curves = isoflop_curves(sweep())
     gaps = budget_gaps(curves, "baseline")

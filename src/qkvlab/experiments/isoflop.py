@@ -1,8 +1,9 @@
 """IsoFLOP curves of a sweep whose groups train for fixed compute (`train.flop_budget`), Hoffmann
 et al.'s approach 2: per family and budget, the final loss against the model's non-embedding
-parameters N, a parabola in ln N through the points and its vertex, the size that budget buys
-best and its loss, trusted only inside the sizes run (a vertex outside them, or a parabola that
-opens downwards, bounds the optimum and no more).
+parameters N, a parabola in ln N through the lowest run and its neighbour on each side and its
+vertex, the size that budget buys best and its loss, trusted only where those sizes bracket it
+(a lowest run at an end, a vertex outside them, or a parabola that opens downwards bounds the
+optimum and no more).
 
 The curve is drawn from the seed every point shares (the sweep's first seed: the one that picks
 each arm's minimum). Seeds run later at an arm's minimum cell test the comparison without the
@@ -35,6 +36,8 @@ from qkvlab.experiments.stats import holm
 from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
 
+WINDOW = 1  # sizes on each side of a curve's lowest run that its parabola reads
+
 
 @dataclass(frozen=True)
 class IsoPoint:
@@ -63,13 +66,24 @@ class IsoCurve:
     seed: int  # the seed the curve (and each minimum) is read at
     points: tuple[IsoPoint, ...]  # by params
 
+    @property
+    def window(self) -> tuple[IsoPoint, ...]:
+        """The sizes the parabola goes through: the lowest run and its neighbour on each side
+        (at an end, the three nearest it). A parabola through every size is biased on a wide
+        or off-centre grid, and runs far from the minimum can sit on the early plateau, which
+        no parabola or power law describes; centred on the minimum it reads the minimum."""
+        i = self.points.index(self.minimum)
+        lo = min(max(i - WINDOW, 0), max(len(self.points) - 2 * WINDOW - 1, 0))
+        return self.points[lo:lo + 2 * WINDOW + 1]
+
     @cached_property  # read by vertex, inside, the plot and the JSON: fitted once
     def fit(self) -> tuple[float, float, float] | None:
-        """(a, b, c) of loss = a x^2 + b x + c, x = ln N (None: fewer than 3 sizes)."""
+        """(a, b, c) of loss = a x^2 + b x + c, x = ln N, through the window (None: fewer
+        than 3 sizes)."""
         if len(self.points) < 3:
             return None
-        x = [math.log(p.params) for p in self.points]
-        a, b, c = np.polyfit(x, [p.loss for p in self.points], 2)
+        x = [math.log(p.params) for p in self.window]
+        a, b, c = np.polyfit(x, [p.loss for p in self.window], 2)
         return float(a), float(b), float(c)
 
     @property
@@ -91,11 +105,11 @@ class IsoCurve:
     @property
     def inside(self) -> bool:
         """The vertex is trusted: the sizes run bracket the minimum and the vertex lies within
-        them (a parabola through a curve whose lowest point is an end, or through a cliff,
-        can put its vertex anywhere)."""
+        the window (a parabola through a curve whose lowest point is an end, or through a
+        cliff, can put its vertex anywhere)."""
         v = self.vertex
         return (v is not None and self.bracketed
-                and self.points[0].params <= v[0] <= self.points[-1].params)
+                and self.window[0].params <= v[0] <= self.window[-1].params)
 
     @property
     def minimum(self) -> IsoPoint:
@@ -107,6 +121,7 @@ class IsoCurve:
         return {"family": self.family, "flop_budget": self.budget, "seed": self.seed,
                 "points": [{"group": p.group, "width": p.width, "depth": p.depth,
                             "params": p.params, "loss": p.loss} for p in self.points],
+                "window": [p.group for p in self.window],
                 "fit": self.fit, "vertex_params": v[0] if v else None,
                 "vertex_loss": v[1] if v else None, "vertex_inside": self.inside,
                 "bracketed": self.bracketed,
@@ -230,9 +245,10 @@ def gap_trend(gaps: list[BudgetGap], family: str) -> GapTrend | None:
 class ScalingFit:
     """L(N, D) = E + A / N^a + B / D^b through every size and budget of a family at the curves'
     seed (Hoffmann et al.'s approach 3: a Huber loss on ln L, the best of a grid of starts), D
-    the tokens each budget buys. It checks the parabolas' vertices, which a wide or off-centre
-    grid of sizes biases: its optimum along a budget is the N that minimises L(N, C / F(N)),
-    F(N) the FLOPs per token, log-linear between the sizes run."""
+    the tokens each budget buys. It checks the parabolas' vertices: its optimum along a budget
+    is the N that minimises L(N, C / F(N)), F(N) the FLOPs per token, log-linear between the
+    sizes run. (Through the parabolas' windows alone, 3 sizes a budget, its 5 parameters are
+    not identified.)"""
 
     family: str
     E: float

@@ -24,9 +24,9 @@ from qkvlab.experiments.plot_layout import (
 def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                  colors: dict[str, str] | None = None) -> None:
     """One panel per budget: each family's final loss against non-embedding parameters (log
-    axis), the parabola in ln N through its points, its vertex (star; hollow when untrusted:
-    outside the sizes run, or the lowest run at an end) and, at its minimum, the fresh seeds'
-    mean and range."""
+    axis), the parabola in ln N through the lowest run and its neighbours, its vertex (star;
+    hollow when untrusted: outside them, or the lowest run at an end) and, at its minimum, the
+    fresh seeds' mean and range."""
     plt = pyplot()
     from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter  # after pyplot's backend
 
@@ -40,7 +40,8 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
             ax.plot(n, [p.loss for p in c.points], "o", color=color,
                     label=f"{c.family} (seed {c.seed})")
             if c.fit:
-                grid = np.exp(np.linspace(math.log(n[0]), math.log(n[-1]), 60))
+                ends = (c.window[0].params, c.window[-1].params)
+                grid = np.exp(np.linspace(math.log(ends[0]), math.log(ends[1]), 60))
                 ax.plot(grid, np.polyval(c.fit, np.log(grid)), "-", color=color, lw=1)
             if c.vertex:
                 ax.plot(*c.vertex, "*", ms=13, color=color,
@@ -61,8 +62,9 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                title=f"{budget:.3g} training FLOPs")
         ax.grid(alpha=0.3)
         legend_beside(ax)
-    suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N; star: its vertex "
-                  "(hollow: untrusted, outside the sizes or the lowest run at an end); squares: "
+    suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N through the lowest "
+                  "and its neighbours; star: its vertex (hollow: untrusted, outside them or the "
+                  "lowest run at an end); squares: "
                   "fresh seeds at the minimum (mean, range)")
     save(plt, fig, path)
 
