@@ -114,6 +114,24 @@ def test_the_parabola_reads_the_lowest_run_and_its_neighbours_not_the_plateau_fa
     assert [p.width for p in e.window] == [64, 128, 192] and not e.inside
 
 
+def test_a_vertex_far_below_every_run_is_a_cliff_not_a_minimum():
+    # 1 layer on the plateau, 2 layers best, 4 a little worse: a parabola through the three
+    # drops 5% below every run (measured at 1e13); bracketed, but untrusted
+    points = {(64, 1): 2.5297, (64, 2): 1.6986, (64, 4): 1.7537}
+    groups = []
+    for (w, n), v in points.items():
+        g = group("baseline", w, 1e13, {1: v})
+        g.group.config.model = ModelConfig(n_layer=n, n_head=1, n_embd=w, block_size=128,
+                                           vocab_size=256)
+        groups.append(g)
+    (c,) = isoflop_curves(SimpleNamespace(groups=groups))
+    assert c.bracketed and c.vertex[1] < 0.99 * c.minimum.loss
+    assert c.dips and not c.inside and c.as_dict()["vertex_inside"] is False
+    # a smooth bowl does not dip
+    smooth = isoflop_curves(sweep())[0]
+    assert smooth.inside and not smooth.dips
+
+
 def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
     curves = isoflop_curves(sweep())
     gaps = budget_gaps(curves, "baseline")

@@ -37,6 +37,9 @@ from qkvlab.model import ModelConfig
 from qkvlab.model.params import count_params, flops_per_token
 
 WINDOW = 1  # sizes on each side of a curve's lowest run that its parabola reads
+# Through three runs near a smooth minimum the vertex sits within seed noise (0.1-1%) of the
+# lowest run; a vertex further below it comes from a cliff on one side, not from a minimum.
+VERTEX_DIP = 0.01
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,15 @@ class IsoCurve:
         the window (a parabola through a curve whose lowest point is an end, or through a
         cliff, can put its vertex anywhere)."""
         v = self.vertex
-        return (v is not None and self.bracketed
+        return (v is not None and self.bracketed and not self.dips
                 and self.window[0].params <= v[0] <= self.window[-1].params)
+
+    @property
+    def dips(self) -> bool:
+        """The vertex lies more than VERTEX_DIP below the lowest run: one neighbour is far up
+        a cliff (a run on the early plateau), and the parabola's bottom is made up, not read."""
+        v = self.vertex
+        return v is not None and v[1] < (1 - VERTEX_DIP) * self.minimum.loss
 
     @property
     def minimum(self) -> IsoPoint:
@@ -124,7 +134,7 @@ class IsoCurve:
                 "window": [p.group for p in self.window],
                 "fit": self.fit, "vertex_params": v[0] if v else None,
                 "vertex_loss": v[1] if v else None, "vertex_inside": self.inside,
-                "bracketed": self.bracketed,
+                "bracketed": self.bracketed, "vertex_dips": self.dips,
                 "minimum": self.minimum.group}
 
 

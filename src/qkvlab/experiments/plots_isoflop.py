@@ -63,8 +63,8 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
         ax.grid(alpha=0.3)
         legend_beside(ax)
     suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N through the lowest "
-                  "and its neighbours; star: its vertex (hollow: untrusted, outside them or the "
-                  "lowest run at an end); squares: "
+                  "and its neighbours; star: its vertex (hollow: untrusted: outside them, the "
+                  "lowest run at an end, or >1% below it); squares: "
                   "fresh seeds at the minimum (mean, range)")
     save(plt, fig, path)
 

@@ -18,8 +18,9 @@ def _vertex(c: IsoCurve) -> str:
     v = c.vertex
     if v is None:
         return "no minimum (opens down)" if c.fit else "-"
-    why = ("" if c.inside else " (outside the sizes run)" if c.bracketed
-           else " (untrusted: the lowest size run is an end)")
+    why = ("" if c.inside else " (untrusted: the lowest size run is an end)" if not c.bracketed
+           else " (untrusted: more than 1% below every run, a cliff beside it)" if c.dips
+           else " (outside the sizes run)")
     return f"{v[0]:,.0f}, {v[1]:.4f}{why}"
 
 
