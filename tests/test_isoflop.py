@@ -52,7 +52,7 @@ def bowl(width: int, centre: float, floor: float) -> float:
 
 def sweep(budgets=(1e13, 1e14), fresh=(2, 3, 4)):
     groups = []
-    for b, (centre, floor) in zip(budgets, ((128, 2.0), (192, 1.8)), strict=False):
+    for b, (centre, floor) in zip(budgets, ((128, 2.0), (192, 1.8), (192, 1.7)), strict=False):
         for fam, shift in (("baseline", 0.0), ("qid", -0.01)):
             for w in WIDTHS:
                 losses = {1: bowl(w, centre, floor + shift)}
@@ -150,19 +150,19 @@ def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
 
 
 def test_the_gap_trend_is_least_squares_in_log_compute():
-    gaps = budget_gaps(isoflop_curves(sweep()), "baseline")
+    gaps = budget_gaps(isoflop_curves(sweep(budgets=(1e13, 1e14, 1e15))), "baseline")
     trend = gap_trend(gaps, "qid")
-    x = [13.0] * 3 + [14.0] * 3
+    x = [13.0] * 3 + [14.0] * 3 + [15.0] * 3
     y = [100 * d / g.fresh.reference_mean for g in gaps for d in g.fresh.diffs]
     fit = sst.linregress(x, y)
-    assert trend.n == 6
+    assert trend.n == 9
     assert (trend.slope, trend.intercept) == pytest.approx((fit.slope, fit.intercept))
-    mean, lo, hi = trend.at(1e15)
-    se = fit.stderr * math.sqrt(1 / 6 * np.sum((np.array(x) - 13.5) ** 2) + (15 - 13.5) ** 2)
-    assert mean == pytest.approx(fit.intercept + 15 * fit.slope)
-    assert (hi - lo) / 2 == pytest.approx(sst.t.ppf(0.975, 4) * se)
-    # one budget: no line
-    assert gap_trend(gaps[:1], "qid") is None
+    mean, lo, hi = trend.at(1e16)
+    se = fit.stderr * math.sqrt(1 / 9 * np.sum((np.array(x) - 14) ** 2) + (16 - 14) ** 2)
+    assert mean == pytest.approx(fit.intercept + 16 * fit.slope)
+    assert (hi - lo) / 2 == pytest.approx(sst.t.ppf(0.975, 7) * se)
+    # two budgets fix a line by their two means, with nothing to check it against: no line
+    assert gap_trend(gaps[:2], "qid") is None
 
 
 @pytest.mark.parametrize("law", [(1.5, 60.0, 0.35, 200.0, 0.33), (1.2, 400.0, 0.5, 50.0, 0.2)])
@@ -252,3 +252,5 @@ grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
     # loss against compute and against the time each run took, measured
     assert (rep / "isoflop_frontier.png").stat().st_size > 5_000
     assert "its training time (s)" in text and "isoflop_frontier.png" in text
+    # one budget tested: no line of the gap against compute, and the report says why
+    assert iso["trends"] == [] and "No line of the gap against compute yet" in text

@@ -231,9 +231,13 @@ def budget_gaps(curves: list[IsoCurve], reference: str) -> list[BudgetGap]:
     return gaps
 
 
+TREND_BUDGETS = 3  # a line through two budgets' means has nothing to check its shape against
+
+
 def gap_trend(gaps: list[BudgetGap], family: str) -> GapTrend | None:
-    """The line through the fresh pairs' relative gaps against log10 C (None: fewer than 3
-    pairs or a single budget)."""
+    """The line through the fresh pairs' relative gaps against log10 C (None: fewer than
+    TREND_BUDGETS budgets with fresh pairs: through two, it is fixed by their two means, and
+    its interval knows only the seeds' noise, not whether a line fits)."""
     xs, ys = [], []
     for g in gaps:
         if g.family != family or g.fresh is None or not g.fresh.reference_mean:
@@ -241,7 +245,7 @@ def gap_trend(gaps: list[BudgetGap], family: str) -> GapTrend | None:
         for d in g.fresh.diffs:
             xs.append(math.log10(g.budget))
             ys.append(100.0 * d / g.fresh.reference_mean)
-    if len(xs) < 3 or len(set(xs)) < 2:
+    if len(set(xs)) < TREND_BUDGETS:
         return None
     x, y = np.array(xs), np.array(ys)
     slope, intercept = np.polyfit(x, y, 1)

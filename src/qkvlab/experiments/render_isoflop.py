@@ -3,7 +3,14 @@ arms compared at their minima over fresh seeds, and the gap's trend against comp
 
 from __future__ import annotations
 
-from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve, ScalingFit, paper_flops
+from qkvlab.experiments.isoflop import (
+    TREND_BUDGETS,
+    BudgetGap,
+    GapTrend,
+    IsoCurve,
+    ScalingFit,
+    paper_flops,
+)
 
 
 def _pct(x: float | None) -> str:
@@ -70,6 +77,11 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
                      f"{_pct(f.rel_pct) if f else '-'} {ci} | {holm} | "
                      f"{'-' if eq is None or eq.p is None else f'{eq.p:.3g}'} | "
                      f"{_pct(g.vertex_gap_pct)} |")
+    tested = {g.budget for g in gaps if g.fresh}
+    if tested and not trends:
+        L += ["", f"- No line of the gap against compute yet: it takes {TREND_BUDGETS} budgets "
+              f"with fresh seeds at their minima ({len(tested)} so far); through fewer, a line "
+              "is fixed by their means alone, and nothing checks that a line fits."]
     paper = paper_flops()
     for t in trends:
         at = t.at(paper)
