@@ -20,13 +20,16 @@ from qkvlab.experiments.plot_layout import (
     variant_colors,
 )
 
+PANEL_SPAN = 0.3  # an IsoFLOP panel shows losses up to 30% above its lowest run
+
 
 def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                  colors: dict[str, str] | None = None) -> None:
     """One panel per budget: each family's final loss against non-embedding parameters (log
     axis), the parabola in ln N through the lowest run and its neighbours, its vertex (star;
-    hollow when untrusted: outside them, or the lowest run at an end) and, at its minimum, the
-    fresh seeds' mean and range."""
+    hollow when untrusted: outside them, the lowest run at an end, or a dip below it) and, at
+    its minimum, the fresh seeds' mean and range. Runs far above the minimum (on the early
+    plateau) are triangles at the panel's top edge, so that the minimum keeps the panel."""
     plt = pyplot()
     from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter  # after pyplot's backend
 
@@ -34,25 +37,16 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
     colors = colors or variant_colors(list(dict.fromkeys(c.family for c in curves)))
     fig, axes = facets(plt, len(budgets), ncols=3, sharey=False)
     for ax, budget in zip(axes, budgets, strict=True):
-        for c in (c for c in curves if c.budget == budget):
-            color = colors[c.family]
-            n = [p.params for p in c.points]
-            ax.plot(n, [p.loss for p in c.points], "o", color=color,
-                    label=f"{c.family} (seed {c.seed})")
-            if c.fit:
-                ends = (c.window[0].params, c.window[-1].params)
-                grid = np.exp(np.linspace(math.log(ends[0]), math.log(ends[1]), 60))
-                ax.plot(grid, np.polyval(c.fit, np.log(grid)), "-", color=color, lw=1)
-            if c.vertex:
-                ax.plot(*c.vertex, "*", ms=13, color=color,
-                        mfc=color if c.inside else "none")
-            m = c.minimum
-            fresh = [r.final_loss for r in m.runs if r.seed != c.seed]
-            if fresh:
-                mean = sum(fresh) / len(fresh)
-                ax.errorbar([m.params * 1.04], [mean], yerr=[[mean - min(fresh)],
-                                                            [max(fresh) - mean]],
-                            fmt="s", ms=4, capsize=3, color=color, alpha=0.8)
+        mine = [c for c in curves if c.budget == budget]
+        low = min(min(p.loss for p in c.points) for c in mine)
+        top = min(max(p.loss for c in mine for p in c.points), low * (1 + PANEL_SPAN))
+        for c in mine:
+            _draw_curve(ax, c, colors[c.family], top)
+        # the panel's floor: the lowest of the runs, fresh seeds and vertices drawn
+        floor = min([low] + [r.final_loss for c in mine for r in c.minimum.runs]
+                    + [c.vertex[1] for c in mine if c.vertex and c.vertex[1] <= top])
+        pad = 0.06 * (top - floor) or 0.01
+        ax.set_ylim(floor - pad, top + pad)
         ax.set_xscale("log")
         # 100k, 200k, 500k, 1M ...: the default labels every minor tick on a short log span
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
@@ -62,11 +56,31 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
                title=f"{budget:.3g} training FLOPs")
         ax.grid(alpha=0.3)
         legend_beside(ax)
-    suptitle(fig, f"{title}\ncircles: the sizes run; line: parabola in ln N through the lowest "
-                  "and its neighbours; star: its vertex (hollow: untrusted: outside them, the "
-                  "lowest run at an end, or >1% below it); squares: "
-                  "fresh seeds at the minimum (mean, range)")
+    suptitle(fig, f"{title}\ncircles: the sizes run (triangles: above the panel, on the early "
+                  "plateau); line: parabola in ln N through the lowest and its neighbours; star: "
+                  "its vertex (hollow: untrusted: outside them, the lowest run at an end, or >1% "
+                  "below it); squares: fresh seeds at the minimum (mean, range)")
     save(plt, fig, path)
+
+
+def _draw_curve(ax, c: IsoCurve, color: str, top: float) -> None:
+    shown = [p for p in c.points if p.loss <= top]
+    above = [p for p in c.points if p.loss > top]
+    ax.plot([p.params for p in shown], [p.loss for p in shown], "o", color=color,
+            label=f"{c.family} (seed {c.seed})")
+    ax.plot([p.params for p in above], [top] * len(above), "^", color=color)
+    if c.fit:
+        ends = (c.window[0].params, c.window[-1].params)
+        grid = np.exp(np.linspace(math.log(ends[0]), math.log(ends[1]), 60))
+        ax.plot(grid, np.polyval(c.fit, np.log(grid)), "-", color=color, lw=1)
+    if c.vertex and c.vertex[1] <= top:
+        ax.plot(*c.vertex, "*", ms=13, color=color, mfc=color if c.inside else "none")
+    m = c.minimum
+    fresh = [r.final_loss for r in m.runs if r.seed != c.seed]
+    if fresh:
+        mean = sum(fresh) / len(fresh)
+        ax.errorbar([m.params * 1.04], [mean], yerr=[[mean - min(fresh)], [max(fresh) - mean]],
+                    fmt="s", ms=4, capsize=3, color=color, alpha=0.8)
 
 
 def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: float,
