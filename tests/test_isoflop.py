@@ -137,6 +137,7 @@ def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
     gaps = budget_gaps(curves, "baseline")
     assert [(g.family, g.budget) for g in gaps] == [("qid", 1e13), ("qid", 1e14)]
     g = gaps[0]
+    assert g.shapes == "d 128 x 4 vs d 128 x 4"  # the sizes each minimum was found at
     assert g.fresh.seeds == [2, 3, 4]  # seed 1 picked the minima: not in the test
     diffs = [-0.01 + 0.001 * (s - 3) for s in (2, 3, 4)]
     assert g.fresh.diffs == pytest.approx(diffs)

@@ -148,11 +148,13 @@ class BudgetGap:
     reference: str
     fresh: PairedRelative | None  # over the seeds that did not pick either minimum
     vertex_gap_pct: float | None  # the parabolas' minima, at the curve's seed
+    shapes: str = ""  # the two minima's d x L, e.g. "d 64 x 2 vs d 64 x 2"
     p_holm: float | None = None
 
     def as_dict(self, margin_pct: float) -> dict[str, Any]:
         return {"flop_budget": self.budget, "family": self.family, "group": self.group,
-                "reference": self.reference, "vertex_gap_pct": self.vertex_gap_pct,
+                "reference": self.reference, "shapes": self.shapes,
+                "vertex_gap_pct": self.vertex_gap_pct,
                 "fresh_seeds": self.fresh.as_dict(margin_pct) if self.fresh else None,
                 "p_holm": self.p_holm}
 
@@ -224,7 +226,9 @@ def budget_gaps(curves: list[IsoCurve], reference: str) -> list[BudgetGap]:
         fresh = paired_relative(pairs) if pairs else None
         cv, rv = c.vertex, r.vertex
         vgap = 100.0 * (cv[1] / rv[1] - 1.0) if cv and rv and c.inside and r.inside else None
-        gaps.append(BudgetGap(c.budget, c.family, mine.group, theirs.group, fresh, vgap))
+        shapes = f"d {mine.width} x {mine.depth} vs d {theirs.width} x {theirs.depth}"
+        gaps.append(BudgetGap(c.budget, c.family, mine.group, theirs.group, fresh, vgap,
+                              shapes))
     adjusted = holm([g.fresh.test.p if g.fresh else None for g in gaps])
     for g, p in zip(gaps, adjusted, strict=True):
         g.p_holm = p

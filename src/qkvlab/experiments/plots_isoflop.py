@@ -104,6 +104,11 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
               for y, g in zip(ys, mine, strict=True)]
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=colors[fam],
                     label=f"{fam}: gap of the minima (fresh seeds)")
+        for g, x, y in zip(mine, xs, ys, strict=True):  # which sizes each gap compares
+            left = x == max(xs) and len(xs) > 1  # the rightmost label would leave the axes
+            ax.annotate(g.shapes, (x, y), xytext=(-6 if left else 6, 4), fontsize=7,
+                        textcoords="offset points", ha="right" if left else "left",
+                        color=colors[fam])
         trend = next((t for t in trends if t.family == fam), None)
         if trend and xs:
             ends = [min(xs), max(xs)]
@@ -125,8 +130,10 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
            ylabel="gap to the reference (% of its final val loss)")
     ax.grid(alpha=0.3)
     legend_beside(ax)
-    suptitle(fig, f"{title}\nline: least squares in log10 C with its 95% band; dashed: an "
-                  "extrapolation across orders of magnitude, not a measurement")
+    how = ("line: least squares in log10 C with its 95% band; dashed: an extrapolation "
+           "across orders of magnitude, not a measurement" if trends else
+           "no line: it takes 3 budgets with fresh seeds; labels: the minima's d x layers")
+    suptitle(fig, f"{title}\n{how}")
     save(plt, fig, path)
 
 
