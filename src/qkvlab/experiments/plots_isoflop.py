@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkvlab.experiments.isoflop import BudgetGap, GapTrend, IsoCurve
+from qkvlab.experiments.isoflop import TREND_BUDGETS, VERTEX_DIP, BudgetGap, GapTrend, IsoCurve
 from qkvlab.experiments.plot_layout import (
     facets,
     legend_beside,
@@ -58,8 +58,9 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
         legend_beside(ax)
     suptitle(fig, f"{title}\ncircles: the sizes run (triangles: above the panel, on the early "
                   "plateau); line: parabola in ln N through the lowest and its neighbours; star: "
-                  "its vertex (hollow: untrusted: outside them, the lowest run at an end, or >1% "
-                  "below it); squares: fresh seeds at the minimum (mean, range)")
+                  "its vertex (hollow: untrusted: outside them, the lowest run at an end, or "
+                  f">{VERTEX_DIP:.0%} below it); squares: fresh seeds at the minimum (mean, "
+                  "range)")
     save(plt, fig, path)
 
 
@@ -132,8 +133,8 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
     legend_beside(ax)
     how = ("line: least squares in log10 C with its 95% band; dashed: an extrapolation "
            "across orders of magnitude, not a measurement" if trends else
-           "no line: it takes 3 budgets with fresh seeds; labels: the minima's d x layers")
-    suptitle(fig, f"{title}\n{how}")
+           f"no line: it takes {TREND_BUDGETS} budgets with fresh seeds")
+    suptitle(fig, f"{title}\n{how}; labels: the two minima's d x layers")
     save(plt, fig, path)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from qkvlab.experiments.isoflop import (
     TREND_BUDGETS,
+    VERTEX_DIP,
     BudgetGap,
     GapTrend,
     IsoCurve,
@@ -26,7 +27,8 @@ def _vertex(c: IsoCurve) -> str:
     if v is None:
         return "no minimum (opens down)" if c.fit else "-"
     why = ("" if c.inside else " (untrusted: the lowest size run is an end)" if not c.bracketed
-           else " (untrusted: more than 1% below every run, a cliff beside it)" if c.dips
+           else f" (untrusted: more than {VERTEX_DIP:.0%} below every run, a cliff beside it)"
+           if c.dips
            else " (outside the sizes run)")
     return f"{v[0]:,.0f}, {v[1]:.4f}{why}"
 
