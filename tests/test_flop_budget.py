@@ -229,11 +229,12 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 44 and sum(g.baseline for g in groups) == 1
-    # each arm at half its lr at 1e13's minimum: a check of the lr, not a size of the curves
+    assert len(groups) == 46 and sum(g.baseline for g in groups) == 1
+    # each arm at half its lr at each small budget's minimum: a check of the lr, not a size
     checks = [g for g in groups if g.family.endswith("-lr8e-3")]
-    assert [(g.family, g.config.optim.lr, g.config.model.n_layer) for g in checks] == [
-        ("baseline-lr8e-3", 8e-3, 2), ("q-identity-lr8e-3", 8e-3, 2)]
+    assert [(g.family, g.config.optim.lr, g.config.model.n_layer, g.config.train.flop_budget)
+            for g in checks] == [(arm, 8e-3, n, b) for n, b in ((2, 1e13), (4, 4e13))
+                                 for arm in ("baseline-lr8e-3", "q-identity-lr8e-3")]
     groups = [g for g in groups if g not in checks]
     cells = {(g.family, g.config.model.n_embd, g.config.model.n_layer,
               g.config.train.flop_budget) for g in groups}
