@@ -57,17 +57,19 @@ def plot_isoflop(curves: list[IsoCurve], title: str, path: Path,
         ax.grid(alpha=0.3)
         legend_beside(ax)
     suptitle(fig, f"{title}\ncircles: the sizes run (triangles: above the panel, on the early "
-                  "plateau); line: parabola in ln N through the lowest and its neighbours; star: "
-                  "its vertex (hollow: untrusted: outside them, the lowest run at an end, or "
-                  f">{VERTEX_DIP:.0%} below it); squares: fresh seeds at the minimum (mean, "
-                  "range)")
+                  "plateau; hollow diamonds: one size run as a check); line: parabola in ln N "
+                  "through the lowest and its neighbours; star: its vertex (hollow: untrusted: "
+                  f"outside them, the lowest run at an end, or >{VERTEX_DIP:.0%} below it); "
+                  "squares: fresh seeds at the minimum (mean, range)")
     save(plt, fig, path)
 
 
 def _draw_curve(ax, c: IsoCurve, color: str, top: float) -> None:
     shown = [p for p in c.points if p.loss <= top]
     above = [p for p in c.points if p.loss > top]
-    ax.plot([p.params for p in shown], [p.loss for p in shown], "o", color=color,
+    single = len(c.points) == 1  # a check beside the curves: hollow, so a point under it shows
+    ax.plot([p.params for p in shown], [p.loss for p in shown], "D" if single else "o",
+            color=color, mfc="none" if single else color, ms=9 if single else 6,
             label=f"{c.family} (seed {c.seed})")
     ax.plot([p.params for p in above], [top] * len(above), "^", color=color)
     if c.fit:
