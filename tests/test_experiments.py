@@ -101,6 +101,13 @@ def test_variant_fields_are_checked(variant, needle):
     ('[spec]\nname = "s"\nbase = "b"\nwhat = 1\n', "unknown field(s) what"),
     ('[spec]\nname = "s"\n[[variant]]\nname = "a"\nbaseline = true\n', "has no base"),
     ('[specs]\nname = "s"\n', "unknown field(s) specs"),
+    ('[spec]\nname = "s"\nbase = "b"\n[[variant]]\nname = "a"\nbaseline = true\n'
+     '[[variant]]\nname = "q"\nversus = "lr-check"\n', "not a family of the spec"),
+    ('[spec]\nname = "s"\nbase = "b"\n[[variant]]\nname = "a"\nbaseline = true\n'
+     '[[variant]]\nname = "q"\nversus = "q"\n', "versus = its own family"),
+    ('[spec]\nname = "s"\nbase = "b"\n[[variant]]\nname = "a"\nbaseline = true\n'
+     '[[variant]]\nname = "a2"\nfamily = "b2"\n[[variant]]\nname = "q"\nfamily = "f"\n'
+     'versus = "b2"\n[[variant]]\nname = "q2"\nfamily = "f"\n', "give its variants one"),
 ])
 def test_spec_errors(text, needle):
     with pytest.raises(QkvlabError) as err:

@@ -229,12 +229,25 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 46 and sum(g.baseline for g in groups) == 1
-    # each arm at half its lr at each small budget's minimum: a check of the lr, not a size
-    checks = [g for g in groups if g.family.endswith("-lr8e-3")]
-    assert [(g.family, g.config.optim.lr, g.config.model.n_layer, g.config.train.flop_budget)
-            for g in checks] == [(arm, 8e-3, n, b) for n, b in ((2, 1e13), (4, 4e13))
-                                 for arm in ("baseline-lr8e-3", "q-identity-lr8e-3")]
+    assert len(groups) == 58 and sum(g.baseline for g in groups) == 1
+    # each arm at half its lr around each small budget's minimum (a curve of its own, compared
+    # with the baseline at that lr) and at a quarter of it at the minimum: checks of the lr
+    checks = [g for g in groups if "-lr" in g.family]
+    half = {(g.family, g.config.model.n_embd, g.config.model.n_layer, g.config.train.flop_budget)
+            for g in checks if g.config.optim.lr == 8e-3}
+    assert half == {(f"{arm}-lr8e-3", d, n, b) for arm in ("baseline", "q-identity")
+                    for d, n, b in ((64, 1, 1e13), (64, 2, 1e13), (64, 4, 1e13),
+                                    (64, 2, 4e13), (64, 4, 4e13), (128, 4, 4e13))}
+    quarter = [(g.family, g.config.model.n_layer, g.config.train.flop_budget)
+               for g in checks if g.config.optim.lr == 4e-3]
+    assert sorted(quarter) == sorted((f"{arm}-lr4e-3", n, b) for n, b in ((2, 1e13), (4, 4e13))
+                                     for arm in ("baseline", "q-identity"))
+    assert len(checks) == len(half) + len(quarter)
+    for g in checks:
+        arm = g.family.split("-lr")[0]
+        assert g.versus == ("" if arm == "baseline" else g.family.replace(arm, "baseline"))
+        assert g.config.model.alpha == pytest.approx(
+            1.0 if arm != "baseline" else 128 / g.config.model.n_embd)
     groups = [g for g in groups if g not in checks]
     cells = {(g.family, g.config.model.n_embd, g.config.model.n_layer,
               g.config.train.flop_budget) for g in groups}

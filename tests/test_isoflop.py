@@ -150,6 +150,27 @@ def test_the_minima_are_compared_over_the_fresh_seeds_with_holm_over_budgets():
     assert g.vertex_gap_pct == pytest.approx(100 * (1.99 / 2.0 - 1), abs=1e-6)
 
 
+def test_a_family_is_compared_with_the_family_its_versus_names():
+    # two arms at a second lr: W_Q = I there against the baseline there, not at the first lr
+    groups = sweep().groups
+    for g in sweep().groups:
+        g.group.family += "-half-lr"
+        g.group.name = g.group.name.replace("-d", "-half-lr-d")
+        for r in g.runs:
+            r.final_loss -= 0.1 if g.group.family.startswith("baseline") else 0.05
+        groups.append(g)
+    curves = isoflop_curves(SimpleNamespace(groups=groups))
+    gaps = budget_gaps(curves, "baseline", {"qid-half-lr": "baseline-half-lr"})
+    half = [g for g in gaps if g.family == "qid-half-lr"]
+    assert [g.reference.startswith("baseline-half-lr") for g in half] == [True, True]
+    # the half-lr baseline sits 0.1 below, W_Q = I only 0.05: its gap is ~ +0.05 over ~1.9
+    assert half[0].fresh.test.mean == pytest.approx(0.05 + np.mean([-0.01 + 0.001 * (s - 3)
+                                                               for s in (2, 3, 4)]))
+    # a family without a versus still meets the baseline; Holm counts every comparison
+    assert {g.family for g in gaps} == {"qid", "baseline-half-lr", "qid-half-lr"}
+    assert all(g.p_holm is not None for g in gaps if g.fresh)
+
+
 def test_the_gap_trend_is_least_squares_in_log_compute():
     gaps = budget_gaps(isoflop_curves(sweep(budgets=(1e13, 1e14, 1e15))), "baseline")
     trend = gap_trend(gaps, "qid")

@@ -210,13 +210,16 @@ def isoflop_curves(rep: Report) -> list[IsoCurve]:
     return curves
 
 
-def budget_gaps(curves: list[IsoCurve], reference: str) -> list[BudgetGap]:
-    """Each other family's minimum against the reference family's, per budget, over the fresh
-    seeds both minima ran; Holm over every comparison with a test."""
-    ref = {c.budget: c for c in curves if c.family == reference}
+def budget_gaps(curves: list[IsoCurve], reference: str,
+                versus: dict[str, str] | None = None) -> list[BudgetGap]:
+    """Each other family's minimum against its reference family's (`versus[family]`, else
+    `reference`), per budget, over the fresh seeds both minima ran; Holm over every comparison
+    with a test."""
+    by = {(c.family, c.budget): c for c in curves}
     gaps = []
     for c in curves:
-        r = ref.get(c.budget)
+        theirs_family = (versus or {}).get(c.family) or reference
+        r = by.get((theirs_family, c.budget))
         if c.family == reference or r is None:
             continue
         mine, theirs = c.minimum, r.minimum

@@ -284,7 +284,8 @@ class IsoFlop:
     @classmethod
     def of(cls, rep: Report) -> IsoFlop:
         curves = isoflop_curves(rep)
-        gaps = budget_gaps(curves, rep.baseline.group.family)
+        versus = {g.group.family: g.group.versus for g in rep.groups if g.group.versus}
+        gaps = budget_gaps(curves, rep.baseline.group.family, versus)
         trends = [t for fam in dict.fromkeys(g.family for g in gaps)
                   if (t := gap_trend(gaps, fam)) is not None]
         fits = [f for fam in dict.fromkeys(c.family for c in curves)

@@ -67,8 +67,8 @@ from qkvlab.run.config import (
 )
 
 SPEC_KEYS: tuple[str, ...] = ("name", "description", "base", "set", "seeds", "out")
-VARIANT_META: tuple[str, ...] = ("name", "description", "baseline", "rule", "family", "grid",
-                                 "set")
+VARIANT_META: tuple[str, ...] = ("name", "description", "baseline", "rule", "family", "versus",
+                                 "grid", "set")
 # The variant fields and the config section each one sets. What is not here goes through the
 # variant's `set` list, so a typo in a field name is an error, not a silently ignored key.
 VARIANT_FIELDS: dict[str, str] = {
@@ -108,6 +108,7 @@ class VariantSpec:
     baseline: bool = False
     rule: str | None = None
     family: str = ""  # groups runs in the report's stability view; default: the name
+    versus: str = ""  # the family its IsoFLOP minima are compared with; default: the baseline's
     fields: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list[Any]] = field(default_factory=dict)
     set: tuple[str, ...] = ()
@@ -126,6 +127,7 @@ class Group:
     name: str  # the folder name: the variant name plus the grid point, e.g. q-identity.wd0.01
     variant: str  # the [[variant]] name
     family: str
+    versus: str  # the reference family of its IsoFLOP comparison ("": the baseline's)
     point: dict[str, Any]
     baseline: bool
     description: str
@@ -229,7 +231,8 @@ class Spec:
                 cfg = variant_config(base, v, point, where, user)
                 identity = config_identity(cfg)
                 groups.append(Group(
-                    name=name, variant=v.name, family=v.family or v.name, point=dict(point),
+                    name=name, variant=v.name, family=v.family or v.name, versus=v.versus,
+                    point=dict(point),
                     baseline=v.baseline, description=v.description, config=cfg,
                     identity=identity, fingerprint=_sha256(identity)))
         return groups
@@ -291,6 +294,8 @@ class Spec:
                 t["rule"] = v.rule
             if v.family:
                 t["family"] = v.family
+            if v.versus:
+                t["versus"] = v.versus
             t.update(v.fields)
             if v.grid:
                 t["grid"] = v.grid
@@ -467,6 +472,7 @@ def parse_variant(table: Any, where: str) -> VariantSpec:
         baseline=baseline,
         rule=rule,
         family=_str(table.get("family", ""), f"{where}.family"),
+        versus=_str(table.get("versus", ""), f"{where}.versus"),
         fields={k: table[k] for k in VARIANT_FIELDS if k in table},
         grid={k: list(v) for k, v in grid.items()},
         set=_str_list(table.get("set", []), f"{where}.set"),
@@ -503,6 +509,7 @@ def parse_spec(data: dict[str, Any], source: str, spec_dir: Path | None = None) 
         found = f"{len(baselines)}: {', '.join(baselines)}" if baselines else "none"
         raise QkvlabError(f"spec {name}: mark exactly one variant baseline = true (the "
                           f"reference of the paired differences), found {found}")
+    _check_versus(name, variants)
     out = head.get("out")
     return Spec(
         name=name,
@@ -515,6 +522,24 @@ def parse_spec(data: dict[str, Any], source: str, spec_dir: Path | None = None) 
         source=source,
         spec_dir=spec_dir,
     )
+
+
+def _check_versus(spec: str, variants: list[VariantSpec]) -> None:
+    """Each `versus` names another family of the spec, and a family's variants agree on it (a
+    family is one IsoFLOP curve, compared with one reference)."""
+    families = {v.family or v.name for v in variants}
+    chosen: dict[str, str] = {}
+    for v in variants:
+        fam = v.family or v.name
+        if v.versus and v.versus not in families:
+            raise QkvlabError(f"spec {spec}: variant {v.name} has versus = {v.versus!r}, not a "
+                              f"family of the spec; its families: {', '.join(sorted(families))}")
+        if v.versus == fam:
+            raise QkvlabError(f"spec {spec}: variant {v.name} has versus = its own family "
+                              f"{fam!r}: name the family it is compared with")
+        if chosen.setdefault(fam, v.versus) != v.versus:
+            raise QkvlabError(f"spec {spec}: family {fam} has versus = {chosen[fam]!r} and "
+                              f"{v.versus!r} (variant {v.name}): give its variants one")
 
 
 def spec_names() -> list[str]:
