@@ -80,6 +80,8 @@ def test_modes_that_do_not_go_together_are_refused():
     with pytest.raises(QkvlabError, match="--jobs and --launcher do not go together"):
         executor.check_mode(2, "torchrun")
     executor.check_mode(1, "torchrun")
+    with pytest.raises(QkvlabError, match="--threads 0: give at least 1 thread"):
+        executor.check_mode(1, None, 0)
     with pytest.raises(QkvlabError, match="no-such-launcher-x is not a program on PATH"):
         executor.execute([], print, launcher="no-such-launcher-x --flag")
 
@@ -225,6 +227,41 @@ def test_one_at_a_time_a_failed_subprocess_is_recorded_and_the_others_still_trai
     assert failed_record(runs[1])["error"] == f"{name} exited with status 3"
     assert (runs[0].run_dir / "config.toml").is_file()  # what `qkvlab train RUN` reads
     assert f"[red]q-identity seed 1 failed[/]: {name} exited with status 3" in said
+
+
+@pytest.mark.parametrize("jobs, threads, want", [(1, 1, "1"), (2, 3, "3"), (1, None, None)])
+def test_threads_reach_every_subprocess(runs, jobs, threads, want, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(executor, "_usable_cpus", lambda: 8)
+    child = "import os, sys; open(sys.argv[1] + '/omp', 'w').write(os.environ.get(" \
+            "'OMP_NUM_THREADS', 'unset'))"
+
+    def command_for(run: Run) -> list[str]:
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        return [sys.executable, "-c", child, str(run.run_dir)]
+
+    said = []
+    result = executor.run_subprocesses(runs[:2], said.append, command_for, jobs=jobs,
+                                       threads=threads)
+    assert len(result.finished) == 2
+    seen = {(r.run_dir / "omp").read_text() for r in runs[:2]}
+    assert seen == {want or "unset"}  # no --threads, one at a time: the child's own default
+    if want:
+        assert f"{jobs} at a time on {want} thread(s) each" in said[0]
+
+
+def test_threads_bound_a_run_in_this_process_and_are_restored_after(runs):
+    import torch
+
+    before, seen = torch.get_num_threads(), []
+
+    def train_fn(run: Run) -> dict:
+        seen.append(torch.get_num_threads())
+        return {"interrupted": False, "final_val_loss": 1.5}
+
+    want = 1 if before > 1 else 2
+    executor.run_in_process(runs[:2], lambda _line: None, train_fn, threads=want)
+    assert seen == [want, want] and torch.get_num_threads() == before
 
 
 def test_n_at_once_a_failure_keeps_the_error_line_of_its_log(runs):

@@ -42,13 +42,14 @@ class SweepOptions:
     retry_failed: bool = False
     reuse: list[str] | None = None
     jobs: int = 1
+    threads: int | None = None
     overrides: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         """Checked once a spec is given (without one the command only lists the specs)."""
         from qkvlab.experiments.executor import check_mode
 
-        check_mode(self.jobs, self.launcher)
+        check_mode(self.jobs, self.launcher, self.threads)
 
     def command_line(self, out: Path) -> str:
         """The canonical command line of this invocation (for the record and the report)."""
@@ -65,6 +66,8 @@ class SweepOptions:
             parts += ["--reuse", src]
         if self.jobs > 1:
             parts += ["--jobs", str(self.jobs)]
+        if self.threads is not None:
+            parts += ["--threads", str(self.threads)]
         return shlex.join(parts)
 
 
@@ -99,7 +102,8 @@ def run_sweep(opts: SweepOptions) -> int:
                                f"sweep {sw.spec.name} in {sw.out}: before"), sw.console)
     from qkvlab.experiments.executor import execute
 
-    result = execute(sw.todo, sw.console.print, jobs=opts.jobs, launcher=opts.launcher)
+    result = execute(sw.todo, sw.console.print, jobs=opts.jobs, launcher=opts.launcher,
+                     threads=opts.threads)
     return _finish(sw, opts, result)
 
 
@@ -284,5 +288,9 @@ def add_parser(sub: Subparsers) -> None:
                         "sweep folder instead of training them (repeatable)")
     p.add_argument("--jobs", type=int, metavar="N",
                    help="train N runs at once, the cores split between them (default %(default)s)")
+    p.add_argument("--threads", type=int, metavar="T",
+                   help="T threads for each run (default: every core for one run at a time, "
+                        "the cores split between N at once); e.g. --threads 1 for a run "
+                        "beside other work, so its time compares with --jobs runs'")
     add_overrides(p)
     register(p, SweepOptions, run_sweep, trains=True)

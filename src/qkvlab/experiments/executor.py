@@ -8,6 +8,11 @@ A sweep trains its runs in one of three ways, all through `execute`:
 - N at a time as subprocesses `python -m qkvlab train RUN --resume` (`--jobs N`), the usable
   cores split between them (`OMP_NUM_THREADS`) and each run's output in its folder's train.log.
 
+`--threads T` gives every run T threads in any of the three ways (else: a run in this process
+or through a launcher takes every core, as torch does; N at once split the usable cores): a run
+on one lane beside other work then takes its share and no more, so its measured time means
+what the same run's time means under `--jobs`.
+
 Whichever way, one policy:
 
 - Just before it starts, each run is checked again: one that another live process trains (its
@@ -100,42 +105,56 @@ class SweepResult:
         return 2 if self.failed else 0
 
 
-def check_mode(jobs: int, launcher: str | None) -> None:
+def check_mode(jobs: int, launcher: str | None, threads: int | None = None) -> None:
     require(jobs >= 1, f"--jobs {jobs}: give at least 1 run at a time")
+    require(threads is None or threads >= 1, f"--threads {threads}: give at least 1 thread "
+            "a run")
     require(jobs == 1 or not launcher, "--jobs and --launcher do not go together: a launcher "
             "decides the processes itself; drop one of them")
 
 
-def execute(runs: Sequence[Run], say: Say, *, jobs: int = 1,
-            launcher: str | None = None) -> SweepResult:
+def execute(runs: Sequence[Run], say: Say, *, jobs: int = 1, launcher: str | None = None,
+            threads: int | None = None) -> SweepResult:
     """Train `runs` in the way the options choose (see the module docstring)."""
-    check_mode(jobs, launcher)
+    check_mode(jobs, launcher, threads)
     if jobs > 1:
-        return run_subprocesses(runs, say, qkvlab_train_command, jobs=jobs)
+        return run_subprocesses(runs, say, qkvlab_train_command, jobs=jobs, threads=threads)
     if launcher:
         _check_launcher(launcher)
-        return run_subprocesses(runs, say, lambda run: train_command_for(run, launcher))
-    return run_in_process(runs, say)
+        return run_subprocesses(runs, say, lambda run: train_command_for(run, launcher),
+                                threads=threads)
+    return run_in_process(runs, say, threads=threads)
 
 
-def run_in_process(runs: Sequence[Run], say: Say,
-                   train_fn: TrainFn | None = None) -> SweepResult:
-    """Train `runs` one after another in this process with `train_fn` (qkvlab's trainer)."""
+def run_in_process(runs: Sequence[Run], say: Say, train_fn: TrainFn | None = None,
+                   threads: int | None = None) -> SweepResult:
+    """Train `runs` one after another in this process with `train_fn` (qkvlab's trainer), on
+    `threads` threads if given (torch's intra-op pool, restored after)."""
     fn = train_fn or _train
-    return _Executor(runs, 1, lambda run: _InProcess(run, fn), say).run()
+    if threads is None:
+        return _Executor(runs, 1, lambda run: _InProcess(run, fn), say).run()
+    import torch  # deferred: dry runs and subprocess sweeps never load it
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    say(f"{len(runs)} run(s), one at a time on {threads} thread(s)")
+    try:
+        return _Executor(runs, 1, lambda run: _InProcess(run, fn), say).run()
+    finally:
+        torch.set_num_threads(before)
 
 
 def run_subprocesses(runs: Sequence[Run], say: Say, command_for: CommandFn,
-                     jobs: int = 1) -> SweepResult:
-    """Train `runs` as subprocesses `command_for(run)`, `jobs` at a time; with more than one,
-    the usable cores are split between them and each run's output goes to its train.log."""
-    env, log = None, False
-    if jobs > 1:
-        threads = str(max(1, _usable_cpus() // jobs))
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
-        log = True
-        say(f"{len(runs)} run(s), {jobs} at a time on {threads} thread(s) each; each run's "
-            f"output in its folder's {LOG_FILE}")
+                     jobs: int = 1, threads: int | None = None) -> SweepResult:
+    """Train `runs` as subprocesses `command_for(run)`, `jobs` at a time, each on `threads`
+    threads if given; with more than one at a time, the usable cores are split between them
+    (unless `threads` says otherwise) and each run's output goes to its train.log."""
+    env, log = None, jobs > 1
+    if jobs > 1 or threads is not None:
+        each = str(threads or max(1, _usable_cpus() // jobs))
+        env = {**os.environ, "OMP_NUM_THREADS": each, "MKL_NUM_THREADS": each}
+        where = f"; each run's output in its folder's {LOG_FILE}" if log else ""
+        say(f"{len(runs)} run(s), {jobs} at a time on {each} thread(s) each{where}")
     return _Executor(runs, jobs, lambda run: _Subprocess(run, command_for(run), env, log),
                      say).run()
 
