@@ -229,9 +229,9 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 58 and sum(g.baseline for g in groups) == 1
+    assert len(groups) == 62 and sum(g.baseline for g in groups) == 1
     # each arm at half its lr around each small budget's minimum (a curve of its own, compared
-    # with the baseline at that lr) and at a quarter of it at the minimum: checks of the lr
+    # with the baseline at that lr) and at a quarter and an eighth of it at the minimum
     checks = [g for g in groups if "-lr" in g.family]
     half = {(g.family, g.config.model.n_embd, g.config.model.n_layer, g.config.train.flop_budget)
             for g in checks if g.config.optim.lr == 8e-3}
@@ -239,9 +239,10 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
                     for d, n, b in ((64, 1, 1e13), (64, 2, 1e13), (64, 4, 1e13),
                                     (64, 2, 4e13), (64, 4, 4e13), (128, 4, 4e13))}
     quarter = [(g.family, g.config.model.n_layer, g.config.train.flop_budget)
-               for g in checks if g.config.optim.lr == 4e-3]
-    assert sorted(quarter) == sorted((f"{arm}-lr4e-3", n, b) for n, b in ((2, 1e13), (4, 4e13))
-                                     for arm in ("baseline", "q-identity"))
+               for g in checks if g.config.optim.lr in (4e-3, 2e-3)]
+    assert sorted(quarter) == sorted((f"{arm}-lr{lr}", n, b) for n, b in ((2, 1e13), (4, 4e13))
+                                     for arm in ("baseline", "q-identity")
+                                     for lr in ("4e-3", "2e-3"))
     assert len(checks) == len(half) + len(quarter)
     for g in checks:
         arm = g.family.split("-lr")[0]
