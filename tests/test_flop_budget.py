@@ -229,21 +229,18 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    assert len(groups) == 62 and sum(g.baseline for g in groups) == 1
-    # each arm at half its lr around each small budget's minimum (a curve of its own, compared
-    # with the baseline at that lr) and at a quarter and an eighth of it at the minimum
+    # the lr checks: each arm at 8e-3, 4e-3 and 2e-3 at each small budget's minimum (families
+    # of their own, each compared with the baseline at its lr), and the sizes beside 1e13's
+    # minimum at the lr that was best there
     checks = [g for g in groups if "-lr" in g.family]
-    half = {(g.family, g.config.model.n_embd, g.config.model.n_layer, g.config.train.flop_budget)
-            for g in checks if g.config.optim.lr == 8e-3}
-    assert half == {(f"{arm}-lr8e-3", d, n, b) for arm in ("baseline", "q-identity")
-                    for d, n, b in ((64, 1, 1e13), (64, 2, 1e13), (64, 4, 1e13),
-                                    (64, 2, 4e13), (64, 4, 4e13), (128, 4, 4e13))}
-    quarter = [(g.family, g.config.model.n_layer, g.config.train.flop_budget)
-               for g in checks if g.config.optim.lr in (4e-3, 2e-3)]
-    assert sorted(quarter) == sorted((f"{arm}-lr{lr}", n, b) for n, b in ((2, 1e13), (4, 4e13))
-                                     for arm in ("baseline", "q-identity")
-                                     for lr in ("4e-3", "2e-3"))
-    assert len(checks) == len(half) + len(quarter)
+    got = {(g.family, g.config.optim.lr, g.config.model.n_embd, g.config.model.n_layer,
+            g.config.train.flop_budget) for g in checks}
+    minima = {(f"{arm}-lr{lr}", float(lr), 64, n, b) for arm in ("baseline", "q-identity")
+              for lr in ("8e-3", "4e-3", "2e-3") for n, b in ((2, 1e13), (4, 4e13))}
+    beside = {(f"{arm}-lr4e-3", 4e-3, 64, n, 1e13) for arm in ("baseline", "q-identity")
+              for n in (1, 4)}
+    assert got == minima | beside and len(checks) == len(got)
+    assert len(groups) == 42 + len(checks) and sum(g.baseline for g in groups) == 1
     for g in checks:
         arm = g.family.split("-lr")[0]
         assert g.versus == ("" if arm == "baseline" else g.family.replace(arm, "baseline"))
