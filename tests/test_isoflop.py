@@ -4,6 +4,7 @@ section and figures on a tiny sweep trained for fixed FLOP budgets."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from qkvlab.experiments.isoflop import (
     budget_gaps,
     gap_trend,
     isoflop_curves,
+    lr_scans,
     paper_flops,
     scaling_fit,
 )
@@ -171,6 +173,30 @@ def test_a_family_is_compared_with_the_family_its_versus_names():
     assert all(g.p_holm is not None for g in gaps if g.fresh)
 
 
+def test_an_lr_scan_is_one_model_at_one_budget_at_several_lrs():
+    from qkvlab.run.config import OptimConfig
+
+    def at(family: str, width: int, lr: float, loss: float, wd: float = 0.1):
+        g = group(family, width, 1e13, {1: loss, 2: loss + 0.01})
+        g.group.config.optim = OptimConfig(lr=lr, weight_decay=wd)
+        if family.startswith("q"):  # W_Q = I: another model
+            g.group.config.model = dataclasses.replace(model(width), projection="q-identity")
+        return g
+
+    groups = [at("b", 64, 1.6e-2, 1.70), at("b-lr8e-3", 64, 8e-3, 1.66),
+              at("b-lr4e-3", 64, 4e-3, 1.68),
+              at("q", 64, 1.6e-2, 1.68), at("q-lr8e-3", 64, 8e-3, 1.67),
+              at("b", 128, 1.6e-2, 1.75),  # another size: one lr, no scan
+              at("q-wd", 64, 8e-3, 1.60, wd=0.01)]  # another weight decay: not q's scan
+    (b, q) = lr_scans(SimpleNamespace(groups=groups))
+    assert (b.arm, b.width, b.seed) == ("b", 64, 1)
+    assert [p.lr for p in b.points] == [4e-3, 8e-3, 1.6e-2]
+    assert (b.best.lr, b.best.family, b.bracketed) == (8e-3, "b-lr8e-3", True)
+    assert q.arm == "q" and [p.family for p in q.points] == ["q-lr8e-3", "q"]
+    assert q.best.lr == 8e-3 and not q.bracketed  # the lowest lr run: a bound
+    assert q.as_dict()["best_lr"] == 8e-3
+
+
 def test_the_gap_trend_is_least_squares_in_log_compute():
     gaps = budget_gaps(isoflop_curves(sweep(budgets=(1e13, 1e14, 1e15))), "baseline")
     trend = gap_trend(gaps, "qid")
@@ -256,6 +282,21 @@ name = "qid"
 family = "qid"
 rule = "q-identity"
 grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
+
+# each arm at d = 16 at a second lr: an lr scan, and W_Q = I there meets the baseline there
+[[variant]]
+name = "baseline-lr"
+rule = "baseline"
+lr = 3e-3
+flop_budget = {budget}
+
+[[variant]]
+name = "qid-lr"
+versus = "baseline-lr"
+rule = "q-identity"
+n_embd = 16
+lr = 3e-3
+flop_budget = {budget}
 """, encoding="utf-8")
     out, rep = tmp_path / "sw", tmp_path / "rep"
     assert main(["sweep", str(tmp_path / "iso.toml"), "--out", str(out)]) == 0
@@ -263,11 +304,24 @@ grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
     data = json.loads((rep / "report.json").read_text())
     text = (rep / "report.md").read_text()
     iso = data["isoflop"]
-    assert [(c["family"], len(c["points"])) for c in iso["curves"]] == [("baseline", 3),
-                                                                       ("qid", 3)]
+    assert [(c["family"], len(c["points"])) for c in iso["curves"]] == [
+        ("baseline", 3), ("baseline-lr", 1), ("qid", 3), ("qid-lr", 1)]
     assert [p["width"] for p in iso["curves"][0]["points"]] == [8, 16, 32]
-    (gap,) = iso["gaps"]  # qid's minimum against the baseline's, over seed 2
-    assert gap["family"] == "qid" and gap["fresh_seeds"]["seeds"] == [2]
+    gaps = {g["family"]: g for g in iso["gaps"]}
+    gap = gaps["qid"]  # qid's minimum against the baseline's, over seed 2
+    assert gap["fresh_seeds"]["seeds"] == [2] and gap["reference"] != "baseline-lr"
+    assert gaps["qid-lr"]["reference"] == "baseline-lr"  # its versus, not the baseline
+    assert gaps["baseline-lr"]["reference"] != "baseline-lr"  # no versus: the baseline's
+    # the scans: each arm at d = 16 at lr 1e-3 and 3e-3, read at seed 1
+    scans = {sc["arm"]: sc for sc in iso["lr_scans"]}
+    assert set(scans) == {"baseline", "qid"}
+    assert [p["lr"] for p in scans["qid"]["points"]] == [1e-3, 3e-3]
+    assert [p["family"] for p in scans["qid"]["points"]] == ["qid", "qid-lr"]
+    losses = {p["lr"]: p["loss"] for p in scans["qid"]["points"]}
+    assert scans["qid"]["best_lr"] == min(losses, key=losses.get)
+    assert scans["qid"]["bracketed"] is False  # two lrs: the best is an end, a bound
+    assert "### The peak lr at a budget's sizes" in text and "lr 3e-3" in text
+    assert (rep / "isoflop_lr.png").stat().st_size > 5_000
     assert "## IsoFLOP: the arms at equal compute" in text
     assert (rep / "isoflop.png").stat().st_size > 5_000
     assert (rep / "isoflop_gap.png").stat().st_size > 5_000

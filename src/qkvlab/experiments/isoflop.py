@@ -12,12 +12,18 @@ paired t-test, Holm-adjusted over the budgets, and TOST at the report's margin).
 gap's trend against compute is a least-squares line in log10 C through every fresh pair's gap,
 with the interval of its mean at a given C: extrapolating it orders of magnitude past the
 budgets run is a guess with an interval, labelled as such wherever it is shown.
+
+A budget's size run at several peak lrs, all else equal, is an lr scan (`lr_scans`): the lr a
+setting tuned at a short run carries to a longer one can sit far off the longer run's best
+(the best lr falls as the token horizon grows, under μP too: Bjorck et al., ICLR 2025), so the
+curves at the carried lr are checked against each arm's best lr at its minimum.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import os
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any
 
@@ -208,6 +214,74 @@ def isoflop_curves(rep: Report) -> list[IsoCurve]:
         curves.append(IsoCurve(family, budget, seed, tuple(sorted(points,
                                                                   key=lambda p: p.params))))
     return curves
+
+
+@dataclass(frozen=True)
+class LrPoint:
+    lr: float
+    group: str
+    family: str
+    loss: float  # at the scan's seed
+
+
+@dataclass(frozen=True)
+class LrScan:
+    """One model at one budget trained at several peak lrs, everything else equal, read at the
+    seed they all ran: where that model's best lr lies at that budget's length."""
+
+    arm: str  # the name its families share ("baseline" for baseline and baseline-lr8e-3)
+    budget: float
+    width: int
+    depth: int
+    seed: int
+    points: tuple[LrPoint, ...]  # by lr
+
+    @property
+    def best(self) -> LrPoint:
+        return min(self.points, key=lambda p: p.loss)
+
+    @property
+    def bracketed(self) -> bool:
+        """An lr run on each side of the best: the scan has found it, not bounded it."""
+        return 0 < self.points.index(self.best) < len(self.points) - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"arm": self.arm, "flop_budget": self.budget, "width": self.width,
+                "depth": self.depth, "seed": self.seed, "best_lr": self.best.lr,
+                "bracketed": self.bracketed,
+                "points": [{"lr": p.lr, "group": p.group, "family": p.family, "loss": p.loss}
+                           for p in self.points]}
+
+
+def _shared_name(families: list[str]) -> str:
+    prefix = os.path.commonprefix(families).rstrip("-._")
+    return prefix or " / ".join(dict.fromkeys(families))
+
+
+def lr_scans(rep: Report) -> list[LrScan]:
+    """Per budget, each model (its whole model config and every optimiser setting but the
+    peak lr) run at 2 lrs or more, at the seed they share."""
+    found: dict[tuple[float, str], list[GroupResult]] = {}
+    for g in rep.groups:
+        cfg = g.group.config
+        if cfg.train.flop_budget is not None and _done(g):
+            optim = {k: v for k, v in asdict(cfg.optim).items() if k != "lr"}
+            key = (float(cfg.train.flop_budget), repr((cfg.model, optim)))
+            found.setdefault(key, []).append(g)
+    scans = []
+    for (budget, _), groups in found.items():
+        by_lr = {g.group.config.optim.lr: g for g in groups}  # one group per lr
+        shared = set.intersection(*({r.seed for r in _done(g)} for g in by_lr.values()))
+        if len(by_lr) < 2 or not shared:
+            continue
+        seed = min(shared)
+        points = tuple(LrPoint(lr, g.group.name, g.group.family,
+                               next(r.final_loss for r in _done(g) if r.seed == seed))
+                       for lr, g in sorted(by_lr.items()))
+        m = groups[0].group.config.model
+        scans.append(LrScan(_shared_name([p.family for p in points]), budget, m.n_embd,
+                            m.n_layer, seed, points))
+    return sorted(scans, key=lambda s: (s.budget, s.width, s.depth, s.arm))
 
 
 def budget_gaps(curves: list[IsoCurve], reference: str,

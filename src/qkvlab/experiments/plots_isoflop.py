@@ -9,10 +9,18 @@ from pathlib import Path
 
 import numpy as np
 
-from qkvlab.experiments.isoflop import TREND_BUDGETS, VERTEX_DIP, BudgetGap, GapTrend, IsoCurve
+from qkvlab.experiments.isoflop import (
+    TREND_BUDGETS,
+    VERTEX_DIP,
+    BudgetGap,
+    GapTrend,
+    IsoCurve,
+    LrScan,
+)
 from qkvlab.experiments.plot_layout import (
     facets,
     legend_beside,
+    log2_axis,
     margin_band,
     pyplot,
     save,
@@ -172,3 +180,30 @@ def plot_frontier(curves: list[IsoCurve], title: str, path: Path,
                   "lowest; time on the machine that ran each, runs two at a time")
     save(plt, fig, path)
     return True
+
+
+def plot_lr_scans(scans: list[LrScan], title: str, path: Path,
+                  colors: dict[str, str] | None = None) -> None:
+    """One panel per budget: each scanned model's final loss against its peak lr, its best
+    marked with a star (hollow: at an end of the lrs run), so each arm's best lr and the arms'
+    losses there read at a glance."""
+    plt = pyplot()
+    budgets = sorted({s.budget for s in scans})
+    arms = list(dict.fromkeys(s.arm for s in scans))
+    palette = variant_colors(arms)
+    fig, axes = facets(plt, len(budgets), ncols=3, sharey=False)
+    for ax, budget in zip(axes, budgets, strict=True):
+        mine = [s for s in scans if s.budget == budget]
+        for sc in mine:
+            color = (colors or {}).get(sc.arm, palette[sc.arm])
+            xs, ys = [p.lr for p in sc.points], [p.loss for p in sc.points]
+            ax.plot(xs, ys, "o-", color=color, label=f"{sc.arm}, d {sc.width} x {sc.depth}")
+            ax.plot([sc.best.lr], [sc.best.loss], "*", ms=14, color=color,
+                    mfc=color if sc.bracketed else "none")
+        log2_axis(ax, sorted({p.lr for s in mine for p in s.points}), "peak lr", fmt="g")
+        ax.set(ylabel="final validation loss (nats/token)",
+               title=f"{budget:.3g} training FLOPs")
+        legend_beside(ax)
+    suptitle(fig, f"{title}\nstar: each model's best lr (hollow: at an end of the lrs run, a "
+                  f"bound); seed {scans[0].seed}")
+    save(plt, fig, path)

@@ -9,6 +9,7 @@ from qkvlab.experiments.isoflop import (
     BudgetGap,
     GapTrend,
     IsoCurve,
+    LrScan,
     ScalingFit,
     paper_flops,
 )
@@ -20,6 +21,11 @@ def _pct(x: float | None) -> str:
 
 def _size(n: float | None) -> str:
     return "at an end of the sizes (a bound)" if n is None else f"{n:,.0f}"
+
+
+def _lr(x: float) -> str:
+    """1.6e-2, 8e-3: the way lrs are written in specs and docs."""
+    return f"{x:.1e}".replace(".0e", "e").replace("e-0", "e-").replace("e+0", "e")
 
 
 def _vertex(c: IsoCurve) -> str:
@@ -96,4 +102,27 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
               "MLP beat it, 3.004 against 3.016 (-0.4%, one seed): only sign and size compare."]
     if "isoflop_gap" in plots:
         L += ["", f"![the gap of the minima against compute]({plots['isoflop_gap']})"]
+    return L
+
+
+def lr_scan_section(scans: list[LrScan], plots: dict[str, str]) -> list[str]:
+    """Each budget's models run at several peak lrs: the loss per lr, the best in bold."""
+    if not scans:
+        return []
+    lrs = sorted({p.lr for s in scans for p in s.points}, reverse=True)
+    L = ["", "### The peak lr at a budget's sizes", "",
+         "Models run at several peak lrs at one budget, all else equal (final loss at the seed "
+         "they share; **bold**: the best; a best at the end of the lrs run bounds it, no more). "
+         "An lr tuned on shorter runs can sit far above a longer run's best.", ""]
+    if "isoflop_lr" in plots:
+        L += [f"![loss against the peak lr at each budget]({plots['isoflop_lr']})", ""]
+    L += ["| budget | arm | d x L | " + " | ".join(f"lr {_lr(lr)}" for lr in lrs)
+          + " | best lr |", "|---|---|---|" + "---|" * (len(lrs) + 1)]
+    for sc in scans:
+        at = {p.lr: p.loss for p in sc.points}
+        cells = [("-" if lr not in at else f"**{at[lr]:.4f}**" if lr == sc.best.lr
+                  else f"{at[lr]:.4f}") for lr in lrs]
+        best = _lr(sc.best.lr) + ("" if sc.bracketed else " (at an end: a bound)")
+        L.append(f"| {sc.budget:.3g} | {sc.arm} | d {sc.width} x {sc.depth} | "
+                 + " | ".join(cells) + f" | {best} |")
     return L

@@ -39,10 +39,12 @@ from qkvlab.experiments.isoflop import (
     BudgetGap,
     GapTrend,
     IsoCurve,
+    LrScan,
     ScalingFit,
     budget_gaps,
     gap_trend,
     isoflop_curves,
+    lr_scans,
     paper_flops,
     scaling_fit,
 )
@@ -56,12 +58,17 @@ from qkvlab.experiments.plots import (
     plot_rel,
     trend_gap_panels,
 )
-from qkvlab.experiments.plots_isoflop import plot_frontier, plot_gap_trend, plot_isoflop
+from qkvlab.experiments.plots_isoflop import (
+    plot_frontier,
+    plot_gap_trend,
+    plot_isoflop,
+    plot_lr_scans,
+)
 from qkvlab.experiments.plots_scan import plot_best_alpha, plot_scale_scan
 from qkvlab.experiments.plots_transfer import plot_transfer
 from qkvlab.experiments.render import render_markdown
 from qkvlab.experiments.render_headline import headline_section
-from qkvlab.experiments.render_isoflop import isoflop_section
+from qkvlab.experiments.render_isoflop import isoflop_section, lr_scan_section
 from qkvlab.experiments.render_scan import scan_section
 from qkvlab.experiments.results import (
     CONFIDENCE,
@@ -280,6 +287,7 @@ class IsoFlop:
     gaps: list[BudgetGap]
     trends: list[GapTrend]
     fits: list[ScalingFit]
+    scans: list[LrScan]
 
     @classmethod
     def of(cls, rep: Report) -> IsoFlop:
@@ -290,7 +298,7 @@ class IsoFlop:
                   if (t := gap_trend(gaps, fam)) is not None]
         fits = [f for fam in dict.fromkeys(c.family for c in curves)
                 if (f := scaling_fit(curves, fam)) is not None]
-        return cls(curves, gaps, trends, fits)
+        return cls(curves, gaps, trends, fits, lr_scans(rep))
 
     def draw(self, rep: Report, out: Path, plots: dict[str, str]) -> None:
         """The figures, each named in `plots` when drawn."""
@@ -308,6 +316,10 @@ class IsoFlop:
                            "arms' minima against compute", out / "isoflop_gap.png",
                            extrapolate_to=paper_flops() if self.trends else None, colors=colors)
             plots["isoflop_gap"] = "isoflop_gap.png"
+        if self.scans:
+            plot_lr_scans(self.scans, f"{name}: final loss against the peak lr at a budget's "
+                          "sizes", out / "isoflop_lr.png", colors)
+            plots["isoflop_lr"] = "isoflop_lr.png"
 
     def as_dict(self, margin_pct: float) -> dict[str, Any] | None:
         if not self.curves:
@@ -321,7 +333,8 @@ class IsoFlop:
                 "trends": [{"family": t.family, "slope_pct_per_decade": t.slope,
                             "intercept_pct": t.intercept, "pairs": t.n,
                             "paper_flops": paper, "at_paper_flops_pct": list(t.at(paper))}
-                           for t in self.trends]}
+                           for t in self.trends],
+                "lr_scans": [sc.as_dict() for sc in self.scans]}
 
 
 def write_report(rep: Report, out: Path, command: str) -> Path:
@@ -350,7 +363,8 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
                             scan.rules, scan.alphas)
                + transfer_section(rows, plots.get("transfer"))
                + isoflop_section(iso.curves, iso.gaps, iso.trends, iso.fits, rep.margin_pct,
-                               plots))
+                                 plots)
+               + lr_scan_section(iso.scans, plots))
     top = headline_section(head, rep.baseline.group.name, plots.get("headline"))
     write_text_atomic(path, with_warning(render_markdown(rep, command, plots, section, top),
                                          machines))
