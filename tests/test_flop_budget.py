@@ -229,21 +229,27 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    # the lr checks: each arm at 8e-3, 4e-3 and 2e-3 at each small budget's minimum (families
-    # of their own, each compared with the baseline at its lr), and the sizes beside 1e13's
-    # minimum at the lr that was best there
-    checks = [g for g in groups if "-lr" in g.family]
-    got = {(g.family, g.config.optim.lr, g.config.model.n_embd, g.config.model.n_layer,
-            g.config.train.flop_budget) for g in checks}
-    minima = {(f"{arm}-lr{lr}", float(lr), 64, n, b) for arm in ("baseline", "q-identity")
-              for lr in ("8e-3", "4e-3", "2e-3") for n, b in ((2, 1e13), (4, 4e13))}
-    beside = {(f"{arm}-lr4e-3", 4e-3, 64, n, 1e13) for arm in ("baseline", "q-identity")
-              for n in (1, 4)}
-    assert got == minima | beside and len(checks) == len(got)
+    # the lr checks at each small budget's minimum, each arm's grid stepped down by factors of
+    # 2 until its best is bracketed; `*-tuned`: each arm at the lr that was best at that budget
+    # (a curve of its own; W_Q = I's compared with the baseline's), with 1e13's sizes beside it
+    checks = [g for g in groups if "-lr" in g.name]
+    got = {(g.family, g.config.optim.lr, g.config.model.n_layer, g.config.train.flop_budget)
+           for g in checks if g.config.model.n_embd == 64}
+    tuned = {(f"{arm}-tuned", 4e-3, n, 1e13) for arm in ("baseline", "q-identity")
+             for n in (1, 2, 4)} | {("baseline-tuned", 4e-3, n, 4e13) for n in (2, 4)}
+    others = ({(f"{arm}-lr{lr}", float(lr), n, b) for arm in ("baseline", "q-identity")
+               for lr in ("8e-3", "2e-3") for n, b in ((2, 1e13), (4, 4e13))}
+              | {("q-identity-lr4e-3", 4e-3, 4, 4e13), ("q-identity-lr1e-3", 1e-3, 4, 4e13)})
+    assert got == tuned | others and len(checks) == len(got) + 1  # + d 128 beside 4e13's
+    assert sorted(g.config.model.n_embd for g in checks) == [64] * (len(checks) - 1) + [128]
     assert len(groups) == 42 + len(checks) and sum(g.baseline for g in groups) == 1
     for g in checks:
-        arm = g.family.split("-lr")[0]
-        assert g.versus == ("" if arm == "baseline" else g.family.replace(arm, "baseline"))
+        arm = "baseline" if g.family.startswith("baseline") else "q-identity"
+        assert g.config.model.projection == arm
+        paired = g.versus or "baseline"  # W_Q = I meets the baseline at its own lr
+        assert paired == ("baseline" if arm == "baseline" or "1e-3" in g.family else
+                          "baseline-tuned" if g.config.optim.lr == 4e-3 else
+                          g.family.replace(arm, "baseline"))
         assert g.config.model.alpha == pytest.approx(
             1.0 if arm != "baseline" else 128 / g.config.model.n_embd)
     groups = [g for g in groups if g not in checks]
