@@ -321,6 +321,14 @@ flop_budget = {budget}
     assert scans["qid"]["best_lr"] == min(losses, key=losses.get)
     assert scans["qid"]["bracketed"] is False  # two lrs: the best is an end, a bound
     assert "### The peak lr at a budget's sizes" in text and "lr 3e-3" in text
+    # the single-size lr checks are drawn against their lr, not as sizes
+    from qkvlab.experiments.isoflop import sized_curves
+    from qkvlab.experiments.report import IsoFlop, build_report
+    from qkvlab.experiments.spec import load_spec
+
+    analysis = IsoFlop.of(build_report(load_spec(out), out))
+    assert [c.family for c in sized_curves(analysis.curves, analysis.scans)] == ["baseline",
+                                                                                 "qid"]
     assert (rep / "isoflop_lr.png").stat().st_size > 5_000
     assert "## IsoFLOP: the arms at equal compute" in text
     assert (rep / "isoflop.png").stat().st_size > 5_000

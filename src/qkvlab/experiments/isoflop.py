@@ -284,6 +284,13 @@ def lr_scans(rep: Report) -> list[LrScan]:
     return sorted(scans, key=lambda s: (s.budget, s.width, s.depth, s.arm))
 
 
+def sized_curves(curves: list[IsoCurve], scans: list[LrScan]) -> list[IsoCurve]:
+    """The curves the IsoFLOP figure draws: a single-size check that is part of an lr scan
+    is drawn against its lr (the lr figure), not as a size."""
+    scanned = {(p.family, sc.budget) for sc in scans for p in sc.points}
+    return [c for c in curves if len(c.points) > 1 or (c.family, c.budget) not in scanned]
+
+
 def budget_gaps(curves: list[IsoCurve], reference: str,
                 versus: dict[str, str] | None = None) -> list[BudgetGap]:
     """Each other family's minimum against its reference family's (`versus[family]`, else

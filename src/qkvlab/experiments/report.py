@@ -47,6 +47,7 @@ from qkvlab.experiments.isoflop import (
     lr_scans,
     paper_flops,
     scaling_fit,
+    sized_curves,
 )
 from qkvlab.experiments.machines import machine_report, with_warning
 from qkvlab.experiments.plots import (
@@ -305,7 +306,7 @@ class IsoFlop:
         name, colors = rep.spec.name, family_colors(rep)
         if not self.curves:
             return
-        plot_isoflop(self.curves, f"{name}: final loss against size at equal training compute",
+        plot_isoflop(sized_curves(self.curves, self.scans), f"{name}: final loss against size at equal training compute",
                      out / "isoflop.png", colors)
         plots["isoflop"] = "isoflop.png"
         if plot_frontier(self.curves, f"{name}: loss against compute and against time",
