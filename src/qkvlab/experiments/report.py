@@ -306,7 +306,8 @@ class IsoFlop:
         name, colors = rep.spec.name, family_colors(rep)
         if not self.curves:
             return
-        plot_isoflop(sized_curves(self.curves, self.scans), f"{name}: final loss against size at equal training compute",
+        plot_isoflop(sized_curves(self.curves, self.scans),
+                     f"{name}: final loss against size at equal training compute",
                      out / "isoflop.png", colors)
         plots["isoflop"] = "isoflop.png"
         if plot_frontier(self.curves, f"{name}: loss against compute and against time",
