@@ -236,20 +236,22 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     got = {(g.family, g.config.optim.lr, g.config.model.n_layer, g.config.train.flop_budget)
            for g in checks if g.config.model.n_embd == 64}
     tuned = {(f"{arm}-tuned", 4e-3, n, 1e13) for arm in ("baseline", "q-identity")
-             for n in (1, 2, 4)} | {("baseline-tuned", 4e-3, n, 4e13) for n in (2, 4)}
+             for n in (1, 2, 4)} | {("baseline-tuned", 4e-3, n, 4e13) for n in (2, 4)} \
+        | {("q-identity-tuned", 2e-3, n, 4e13) for n in (2, 4)}
     others = ({(f"{arm}-lr{lr}", float(lr), n, b) for arm in ("baseline", "q-identity")
                for lr in ("8e-3", "2e-3") for n, b in ((2, 1e13), (4, 4e13))}
+              - {("q-identity-lr2e-3", 2e-3, 4, 4e13)}
               | {("q-identity-lr4e-3", 4e-3, 4, 4e13), ("q-identity-lr1e-3", 1e-3, 4, 4e13)})
-    assert got == tuned | others and len(checks) == len(got) + 1  # + d 128 beside 4e13's
-    assert sorted(g.config.model.n_embd for g in checks) == [64] * (len(checks) - 1) + [128]
+    assert got == tuned | others and len(checks) == len(got) + 2  # + d 128 beside 4e13's
+    assert sorted(g.config.model.n_embd for g in checks) == [64] * (len(checks) - 2) + [128] * 2
     assert len(groups) == 42 + len(checks) and sum(g.baseline for g in groups) == 1
     for g in checks:
         arm = "baseline" if g.family.startswith("baseline") else "q-identity"
         assert g.config.model.projection == arm
         paired = g.versus or "baseline"  # W_Q = I meets the baseline at its own lr
         assert paired == ("baseline" if arm == "baseline" or "1e-3" in g.family else
-                          "baseline-tuned" if g.config.optim.lr == 4e-3 else
-                          g.family.replace(arm, "baseline"))
+                          "baseline-tuned" if g.config.optim.lr == 4e-3
+                          or g.family.endswith("-tuned") else g.family.replace(arm, "baseline"))
         assert g.config.model.alpha == pytest.approx(
             1.0 if arm != "baseline" else 128 / g.config.model.n_embd)
     groups = [g for g in groups if g not in checks]
