@@ -229,38 +229,43 @@ def test_a_budget_run_trains_its_steps_and_resumes_exactly(data_dir, tmp_path, m
 
 def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     groups = load_spec("mup-isoflop").groups()
-    # the lr checks at each small budget's minimum, each arm's grid stepped down by factors of
-    # 2 until its best is bracketed; `*-tuned`: each arm at the lr that was best at that budget
-    # (a curve of its own; W_Q = I's compared with the baseline's), with 1e13's sizes beside it
-    checks = [g for g in groups if "-lr" in g.name]
-    got = {(g.family, g.config.optim.lr, g.config.model.n_layer, g.config.train.flop_budget)
-           for g in checks if g.config.model.n_embd == 64}
-    tuned = {(f"{arm}-tuned", 4e-3, n, 1e13) for arm in ("baseline", "q-identity")
-             for n in (1, 2, 4)} | {("baseline-tuned", 4e-3, n, 4e13) for n in (2, 4)} \
-        | {("q-identity-tuned", 2e-3, n, 4e13) for n in (2, 4)}
-    others = ({(f"{arm}-lr{lr}", float(lr), n, b) for arm in ("baseline", "q-identity")
-               for lr in ("8e-3", "2e-3") for n, b in ((2, 1e13), (4, 4e13))}
-              - {("q-identity-lr2e-3", 2e-3, 4, 4e13)}
-              | {("q-identity-lr4e-3", 4e-3, 4, 4e13), ("q-identity-lr1e-3", 1e-3, 4, 4e13)})
-    assert got == tuned | others and len(checks) == len(got) + 2  # + d 128 beside 4e13's
-    assert sorted(g.config.model.n_embd for g in checks) == [64] * (len(checks) - 2) + [128] * 2
-    assert len(groups) == 42 + len(checks) and sum(g.baseline for g in groups) == 1
-    for g in checks:
+    assert sum(g.baseline for g in groups) == 1
+    for g in groups:
+        cfg, m = g.config, g.config.model
+        budget = cfg.train.flop_budget
+        assert budget - cfg.flops_per_step < cfg.train_flops <= budget
+        assert cfg.decay_steps == cfg.steps and cfg.warmup_steps == round(0.1 * cfg.steps)
+        assert m.d_head == 64 and m.n_head == m.n_embd // 64 and m.parametrization == "mup"
+        assert cfg.optim.weight_decay == 0.1
+        # W_Q = I carries its base alpha; the baseline's follows its measured 128 / d
         arm = "baseline" if g.family.startswith("baseline") else "q-identity"
-        assert g.config.model.projection == arm
-        paired = g.versus or "baseline"  # W_Q = I meets the baseline at its own lr
-        assert paired == ("baseline" if arm == "baseline" or "1e-3" in g.family else
-                          "baseline-tuned" if g.config.optim.lr == 4e-3
-                          or g.family.endswith("-tuned") else g.family.replace(arm, "baseline"))
-        assert g.config.model.alpha == pytest.approx(
-            1.0 if arm != "baseline" else 128 / g.config.model.n_embd)
+        assert m.projection == arm
+        assert m.alpha == pytest.approx(1.0 if arm != "baseline" else round(128 / m.n_embd, 3))
+        # W_Q = I meets the baseline at its own lr (`*-lrX`), or each at its best (`*-tuned`)
+        assert g.versus == ("" if arm == "baseline" or g.config.optim.lr == 1.6e-2
+                            else g.family.replace(arm, "baseline"))
+    # the lr checks at each budget's minimum, each arm's lrs stepped down by factors of 2 until
+    # its best is bracketed; `*-tuned`: each arm at the lr that was best at that budget's
+    # minimum, with the sizes beside it; 1.6e14 starts with its lr scan
+    checks = [g for g in groups if "-lr" in g.name]
+    got = {(g.family, g.config.optim.lr, g.config.model.n_embd, g.config.model.n_layer,
+            g.config.train.flop_budget) for g in checks}
+    arms = ("baseline", "q-identity")
+    tuned = ({(f"{arm}-tuned", 4e-3, 64, n, 1e13) for arm in arms for n in (1, 2, 4)}
+             | {("baseline-tuned", 4e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))}
+             | {("q-identity-tuned", 2e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))})
+    scans = ({(f"{arm}-lr{lr}", float(lr), 64, 2, 1e13) for arm in arms for lr in ("8e-3", "2e-3")}
+             | {("baseline-lr8e-3", 8e-3, 64, 4, 4e13), ("baseline-lr2e-3", 2e-3, 64, 4, 4e13)}
+             | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
+             | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14) for arm in arms
+                for lr in ("4e-3", "2e-3", "1e-3")})
+    assert got == tuned | scans and len(checks) == len(got)
+    # the curves at the carried lr (1.6e-2)
     groups = [g for g in groups if g not in checks]
     cells = {(g.family, g.config.model.n_embd, g.config.model.n_layer,
               g.config.train.flop_budget) for g in groups}
     widths = (64, 128, 192, 256, 320)
-    arms = ("baseline", "q-identity")
-    assert cells == ({(arm, d, 4, b) for arm in arms for d in widths
-                      for b in (1e13, 4e13, 1.6e14)}
+    assert cells == ({(arm, d, 4, b) for arm in arms for d in widths for b in (1e13, 4e13)}
                      | {(arm, 64, 2, b) for arm in arms for b in (1e13, 4e13)}
                      | {(arm, 64, 1, 1e13) for arm in arms}
                      | {("q-identity-wide", d, 4, 4e13) for d in widths}
@@ -272,15 +277,7 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
         depth = "" if m.n_layer == 4 else f"-l{m.n_layer}"
         assert g.name == f"{g.family}-d{m.n_embd}{depth}.flops{cfg.train.flop_budget:g}".replace(
             "e+", "e")
-        assert m.d_head == 64 and m.n_head == m.n_embd // 64
-        assert m.parametrization == "mup" and m.projection == g.family.removesuffix("-wide")
-        budget = cfg.train.flop_budget
-        assert budget - cfg.flops_per_step < cfg.train_flops <= budget
-        assert cfg.decay_steps == cfg.steps and cfg.warmup_steps == round(0.1 * cfg.steps)
-        assert cfg.optim.lr == 1.6e-2 and cfg.optim.weight_decay == 0.1
-        # W_Q = I carries its base alpha; the baseline's follows its measured 128 / d
-        want = 1.0 if g.family != "baseline" else round(128 / m.n_embd, 3)
-        assert m.alpha == pytest.approx(want)
+        assert cfg.optim.lr == 1.6e-2
         if g.family == "q-identity-wide":
             # the MLP gets the d^2 per layer W_Q = I saves at this width, not at the base's
             assert m.hidden == 4 * m.n_embd + m.n_embd // 2
