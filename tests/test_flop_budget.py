@@ -243,7 +243,8 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
         assert m.alpha == pytest.approx(1.0 if arm != "baseline" else round(128 / m.n_embd, 3))
         # W_Q = I meets the baseline at its own lr (`*-lrX`), or each at its best (`*-tuned`)
         assert g.versus == ("" if arm == "baseline" or g.config.optim.lr == 1.6e-2
-                            else g.family.replace(arm, "baseline"))
+                            else "baseline" + g.family[g.family.index("-lr"):]
+                            if "-lr" in g.family else "baseline-tuned")
     # the lr checks at each budget's minimum, each arm's lrs stepped down by factors of 2 until
     # its best is bracketed; `*-tuned`: each arm at the lr that was best at that budget's
     # minimum, with the sizes beside it; 1.6e14 starts with its lr scan
@@ -258,7 +259,8 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
              | {("baseline-lr8e-3", 8e-3, 64, 4, 4e13), ("baseline-lr2e-3", 2e-3, 64, 4, 4e13)}
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
              | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14) for arm in arms
-                for lr in ("4e-3", "2e-3", "1e-3")})
+                for lr in ("4e-3", "2e-3", "1e-3")}
+             | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("4e-3", "2e-3", "1e-3")})
     assert got == tuned | scans and len(checks) == len(got)
     # the curves at the carried lr (1.6e-2)
     groups = [g for g in groups if g not in checks]
