@@ -260,7 +260,8 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
              | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14) for arm in arms
                 for lr in ("4e-3", "2e-3", "1e-3")}
-             | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("4e-3", "2e-3", "1e-3")})
+             | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13)
+                for lr in ("4e-3", "2e-3", "1e-3")})
     assert got == tuned | scans and len(checks) == len(got)
     # the curves at the carried lr (1.6e-2)
     groups = [g for g in groups if g not in checks]

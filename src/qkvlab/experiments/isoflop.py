@@ -294,8 +294,8 @@ def sized_curves(curves: list[IsoCurve], scans: list[LrScan]) -> list[IsoCurve]:
 def budget_gaps(curves: list[IsoCurve], reference: str,
                 versus: dict[str, str] | None = None) -> list[BudgetGap]:
     """Each other family's minimum against its reference family's (`versus[family]`, else
-    `reference`), per budget, over the fresh seeds both minima ran; Holm over every comparison
-    with a test."""
+    `reference`), per budget, over the fresh seeds both minima ran; Holm over each family's
+    budgets."""
     by = {(c.family, c.budget): c for c in curves}
     gaps = []
     for c in curves:
@@ -313,9 +313,13 @@ def budget_gaps(curves: list[IsoCurve], reference: str,
         shapes = f"d {mine.width} x {mine.depth} vs d {theirs.width} x {theirs.depth}"
         gaps.append(BudgetGap(c.budget, c.family, mine.group, theirs.group, fresh, vgap,
                               shapes))
-    adjusted = holm([g.fresh.test.p if g.fresh else None for g in gaps])
-    for g, p in zip(gaps, adjusted, strict=True):
-        g.p_holm = p
+    # Holm over the budgets of each comparison (a family meets one reference): the question
+    # "does this family differ from that one" is asked once per budget
+    for family in dict.fromkeys(g.family for g in gaps):
+        mine = [g for g in gaps if g.family == family]
+        adjusted = holm([g.fresh.test.p if g.fresh else None for g in mine])
+        for g, p in zip(mine, adjusted, strict=True):
+            g.p_holm = p
     return gaps
 
 

@@ -48,9 +48,10 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
          "Each family trained at several sizes for exactly each budget (`train.flop_budget`); "
          "its curve is the final loss against non-embedding parameters N at the seed every "
          "size ran, the vertex that of a parabola in ln N through the lowest run and its "
-         "neighbour on each side (trusted only where those bracket it). The arms are compared "
+         "neighbour on each side (trusted only where those bracket it). Each family is "
+         "compared with its reference family (the baseline's, or the one its `versus` names) "
          "at each one's minimum over the seeds that did not pick it (paired by seed; Holm over "
-         f"the budgets; TOST at ±{margin_pct:g}%).", ""]
+         f"that comparison's budgets; TOST at ±{margin_pct:g}%).", ""]
     if "isoflop" in plots:
         L += [f"![loss against parameters at each budget]({plots['isoflop']})", ""]
     by_family = {f.family: f for f in fits}
