@@ -95,8 +95,14 @@ def test_a_vertex_is_untrusted_when_the_lowest_size_run_is_an_end():
     assert not c.bracketed and not c.inside and c.as_dict()["vertex_inside"] is False
     # its gap to another curve's vertex is not reported
     other = [group("qid", w, 4e13, {1: v - 0.03}) for w, v in losses.items()]
-    (gap,) = budget_gaps(isoflop_curves(SimpleNamespace(groups=groups + other)), "baseline")
+    curves = isoflop_curves(SimpleNamespace(groups=groups + other))
+    (gap,) = budget_gaps(curves, "baseline")
     assert gap.vertex_gap_pct is None
+    # nor is it a row of the report's table: nothing to show yet (no fresh seeds either)
+    from qkvlab.experiments.render_isoflop import isoflop_section
+
+    text = "\n".join(isoflop_section(curves, [gap], [], [], 0.5, {}))
+    assert "family vs reference" not in text and "1 more comparison(s) of minima" in text
 
 
 def test_the_parabola_reads_the_lowest_run_and_its_neighbours_not_the_plateau_far_off():
@@ -188,15 +194,16 @@ def test_an_lr_scan_is_one_model_at_one_budget_at_several_lrs():
     groups = [at("b", 64, 1.6e-2, 1.70), at("b-lr8e-3", 64, 8e-3, 1.66),
               at("b-lr4e-3", 64, 4e-3, 1.68),
               at("q", 64, 1.6e-2, 1.68), at("q-lr8e-3", 64, 8e-3, 1.67),
-              at("b", 128, 1.6e-2, 1.75),  # another size: one lr, no scan
+              at("q-lr4e-3", 64, 4e-3, 1.665),
+              at("b", 128, 1.6e-2, 1.75), at("b-lr8e-3", 128, 8e-3, 1.7),  # two lrs: no scan
               at("q-wd", 64, 8e-3, 1.60, wd=0.01)]  # another weight decay: not q's scan
     (b, q) = lr_scans(SimpleNamespace(groups=groups))
     assert (b.arm, b.width, b.seed) == ("b", 64, 1)
     assert [p.lr for p in b.points] == [4e-3, 8e-3, 1.6e-2]
     assert (b.best.lr, b.best.family, b.bracketed) == (8e-3, "b-lr8e-3", True)
-    assert q.arm == "q" and [p.family for p in q.points] == ["q-lr8e-3", "q"]
-    assert q.best.lr == 8e-3 and not q.bracketed  # the lowest lr run: a bound
-    assert q.as_dict()["best_lr"] == 8e-3
+    assert q.arm == "q" and [p.family for p in q.points] == ["q-lr4e-3", "q-lr8e-3", "q"]
+    assert q.best.lr == 4e-3 and not q.bracketed  # the lowest lr run: a bound
+    assert q.as_dict()["best_lr"] == 4e-3
 
 
 def test_the_gap_trend_is_least_squares_in_log_compute():
@@ -285,7 +292,8 @@ family = "qid"
 rule = "q-identity"
 grid = {{ n_embd = [8, 16, 32], flop_budget = [{budget}] }}
 
-# each arm at d = 16 at a second lr: an lr scan, and W_Q = I there meets the baseline there
+# each arm at d = 16 at a second lr, W_Q = I at a third (an lr scan); W_Q = I at 3e-3 meets
+# the baseline at 3e-3
 [[variant]]
 name = "baseline-lr"
 rule = "baseline"
@@ -299,6 +307,13 @@ rule = "q-identity"
 n_embd = 16
 lr = 3e-3
 flop_budget = {budget}
+
+[[variant]]
+name = "qid-lr3"
+family = "qid-lr3"
+rule = "q-identity"
+lr = 1e-2
+flop_budget = {budget}
 """, encoding="utf-8")
     out, rep = tmp_path / "sw", tmp_path / "rep"
     assert main(["sweep", str(tmp_path / "iso.toml"), "--out", str(out)]) == 0
@@ -307,21 +322,22 @@ flop_budget = {budget}
     text = (rep / "report.md").read_text()
     iso = data["isoflop"]
     assert [(c["family"], len(c["points"])) for c in iso["curves"]] == [
-        ("baseline", 3), ("baseline-lr", 1), ("qid", 3), ("qid-lr", 1)]
+        ("baseline", 3), ("baseline-lr", 1), ("qid", 3), ("qid-lr", 1), ("qid-lr3", 1)]
     assert [p["width"] for p in iso["curves"][0]["points"]] == [8, 16, 32]
     gaps = {g["family"]: g for g in iso["gaps"]}
     gap = gaps["qid"]  # qid's minimum against the baseline's, over seed 2
     assert gap["fresh_seeds"]["seeds"] == [2] and gap["reference"] != "baseline-lr"
     assert gaps["qid-lr"]["reference"] == "baseline-lr"  # its versus, not the baseline
     assert gaps["baseline-lr"]["reference"] != "baseline-lr"  # no versus: the baseline's
-    # the scans: each arm at d = 16 at lr 1e-3 and 3e-3, read at seed 1
+    # the scan: W_Q = I at d = 16 at lr 1e-3, 3e-3 and 1e-2, read at seed 1 (the baseline's
+    # two lrs are no scan)
     scans = {sc["arm"]: sc for sc in iso["lr_scans"]}
-    assert set(scans) == {"baseline", "qid"}
-    assert [p["lr"] for p in scans["qid"]["points"]] == [1e-3, 3e-3]
-    assert [p["family"] for p in scans["qid"]["points"]] == ["qid", "qid-lr"]
+    assert set(scans) == {"qid"}
+    assert [p["lr"] for p in scans["qid"]["points"]] == [1e-3, 3e-3, 1e-2]
+    assert [p["family"] for p in scans["qid"]["points"]] == ["qid", "qid-lr", "qid-lr3"]
     losses = {p["lr"]: p["loss"] for p in scans["qid"]["points"]}
     assert scans["qid"]["best_lr"] == min(losses, key=losses.get)
-    assert scans["qid"]["bracketed"] is False  # two lrs: the best is an end, a bound
+    assert scans["qid"]["bracketed"] == (scans["qid"]["best_lr"] == 3e-3)
     assert "### The peak lr at a budget's sizes" in text and "lr 3e-3" in text
     # the single-size lr checks are drawn against their lr, not as sizes
     from qkvlab.experiments.isoflop import sized_curves
@@ -329,8 +345,8 @@ flop_budget = {budget}
     from qkvlab.experiments.spec import load_spec
 
     analysis = IsoFlop.of(build_report(load_spec(out), out))
-    assert [c.family for c in sized_curves(analysis.curves, analysis.scans)] == ["baseline",
-                                                                                 "qid"]
+    assert [c.family for c in sized_curves(analysis.curves, analysis.scans)] == [
+        "baseline", "baseline-lr", "qid"]  # the baseline's second lr is no scan: a check
     assert (rep / "isoflop_lr.png").stat().st_size > 5_000
     assert "## IsoFLOP: the arms at equal compute" in text
     assert (rep / "isoflop.png").stat().st_size > 5_000

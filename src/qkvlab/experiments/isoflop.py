@@ -258,9 +258,12 @@ def _shared_name(families: list[str]) -> str:
     return prefix or " / ".join(dict.fromkeys(families))
 
 
+SCAN_LRS = 3  # through two lrs the better one is an end: a bound, not a scan's best
+
+
 def lr_scans(rep: Report) -> list[LrScan]:
     """Per budget, each model (its whole model config and every optimiser setting but the
-    peak lr) run at 2 lrs or more, at the seed they share."""
+    peak lr) run at SCAN_LRS lrs or more, at the seed they share."""
     found: dict[tuple[float, str], list[GroupResult]] = {}
     for g in rep.groups:
         cfg = g.group.config
@@ -272,7 +275,7 @@ def lr_scans(rep: Report) -> list[LrScan]:
     for (budget, _), groups in found.items():
         by_lr = {g.group.config.optim.lr: g for g in groups}  # one group per lr
         shared = set.intersection(*({r.seed for r in _done(g)} for g in by_lr.values()))
-        if len(by_lr) < 2 or not shared:
+        if len(by_lr) < SCAN_LRS or not shared:
             continue
         seed = min(shared)
         points = tuple(LrPoint(lr, g.group.name, g.group.family,

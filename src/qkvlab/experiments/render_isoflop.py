@@ -72,11 +72,13 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
               "the parabola's vertex."]
     if "isoflop_frontier" in plots:
         L += ["", f"![loss against training FLOPs and training time]({plots['isoflop_frontier']})"]
-    if gaps:
+    # a comparison with neither fresh seeds nor two trusted vertices has nothing to show yet
+    shown = [g for g in gaps if g.fresh or g.vertex_gap_pct is not None]
+    if shown:
         L += ["", "| budget | family vs reference (minima) | fresh seeds | gap [95% CI] | "
               f"Holm p | TOST ±{margin_pct:g}% p | parabolas' minima |",
               "|---|---|---|---|---|---|---|"]
-        for g in gaps:
+        for g in shown:
             f = g.fresh
             eq = f.equivalence(margin_pct) if f else None
             ci = f"[{_pct(f.rel_ci[0])}, {_pct(f.rel_ci[1])}]" if f else ""
@@ -86,6 +88,9 @@ def isoflop_section(curves: list[IsoCurve], gaps: list[BudgetGap], trends: list[
                      f"{_pct(f.rel_pct) if f else '-'} {ci} | {holm} | "
                      f"{'-' if eq is None or eq.p is None else f'{eq.p:.3g}'} | "
                      f"{_pct(g.vertex_gap_pct)} |")
+    if len(shown) < len(gaps):
+        L += ["", f"- {len(gaps) - len(shown)} more comparison(s) of minima with neither fresh "
+              "seeds nor two trusted vertices yet (single-seed checks): in report.json."]
     tested = {g.budget for g in gaps if g.fresh}
     if tested and not trends:
         L += ["", f"- No line of the gap against compute yet: it takes {TREND_BUDGETS} budgets "
@@ -112,7 +117,7 @@ def lr_scan_section(scans: list[LrScan], plots: dict[str, str]) -> list[str]:
         return []
     lrs = sorted({p.lr for s in scans for p in s.points}, reverse=True)
     L = ["", "### The peak lr at a budget's sizes", "",
-         "Models run at several peak lrs at one budget, all else equal (final loss at the seed "
+         "Models run at 3 peak lrs or more at one budget, all else equal (final loss at the seed "
          "they share; **bold**: the best; a best at the end of the lrs run bounds it, no more). "
          "An lr tuned on shorter runs can sit far above a longer run's best.", ""]
     if "isoflop_lr" in plots:
