@@ -190,6 +190,16 @@ def _done(g: GroupResult) -> list[RunData]:
     return [r for r in g.runs if r.status == "done" and r.final_loss is not None]
 
 
+def _shared_seed(groups: list[GroupResult]) -> int | None:
+    """The first seed every group finished (None: none they all share)."""
+    shared = set.intersection(*({r.seed for r in _done(g)} for g in groups))
+    return min(shared) if shared else None
+
+
+def _loss_at(g: GroupResult, seed: int) -> float:
+    return next(r.final_loss for r in _done(g) if r.seed == seed)
+
+
 def isoflop_curves(rep: Report) -> list[IsoCurve]:
     """Per family and budget, the sizes run at the seed they share (3 sizes or more make a
     fit); empty when no group has a FLOP budget."""
@@ -200,14 +210,13 @@ def isoflop_curves(rep: Report) -> list[IsoCurve]:
             found.setdefault((g.group.family, float(budget)), []).append(g)
     curves = []
     for (family, budget), groups in sorted(found.items()):
-        shared = set.intersection(*({r.seed for r in _done(g)} for g in groups))
-        if not shared:
+        seed = _shared_seed(groups)
+        if seed is None:
             continue
-        seed = min(shared)
         points = []
         for g in groups:
             m = g.group.config.model
-            loss = next(r.final_loss for r in _done(g) if r.seed == seed)
+            loss = _loss_at(g, seed)
             points.append(IsoPoint(g.group.name, m.n_embd, m.n_layer,
                                    count_params(m).non_embedding, loss, tuple(_done(g)),
                                    flops_per_token(m)))
@@ -274,12 +283,10 @@ def lr_scans(rep: Report) -> list[LrScan]:
     scans = []
     for (budget, _), groups in found.items():
         by_lr = {g.group.config.optim.lr: g for g in groups}  # one group per lr
-        shared = set.intersection(*({r.seed for r in _done(g)} for g in by_lr.values()))
-        if len(by_lr) < SCAN_LRS or not shared:
+        seed = _shared_seed(list(by_lr.values()))
+        if len(by_lr) < SCAN_LRS or seed is None:
             continue
-        seed = min(shared)
-        points = tuple(LrPoint(lr, g.group.name, g.group.family,
-                               next(r.final_loss for r in _done(g) if r.seed == seed))
+        points = tuple(LrPoint(lr, g.group.name, g.group.family, _loss_at(g, seed))
                        for lr, g in sorted(by_lr.items()))
         m = groups[0].group.config.model
         scans.append(LrScan(_shared_name([p.family for p in points]), budget, m.n_embd,
