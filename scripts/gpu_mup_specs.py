@@ -1,18 +1,28 @@
-"""The μP study's GPU stage as two sweep specs (scripts/run_gpu_mup.sh writes them with this).
+"""The μP study's GPU stage as three sweep specs (scripts/run_gpu_mup.sh writes them with this).
 
 mup-transfer-gpu: the transfer cross at d = 768 and 1024 with 12 layers, both arms: each arm's
 base setting and lr and alpha each x/÷ 2 around it (5 points), at the base grid's budget
 (1,000 steps of 4,096 tokens), on mup-transfer's settings (its spec's base and `set`), with
 PyTorch's SDPA kernel (the GPU's fastest; the CPU studies use eager).
 
-mup-isoflop-gpu: the IsoFLOP ladder of mup-isoflop continued past its 1.6e14 on the same 4-layer
-family and settings: 6.4e14, 2.56e15 and 1.024e16 training FLOPs, five widths per budget (steps
-of 64) centred on ~20 tokens per parameter, in bf16 (the CPU stage's fp32 is for CPUs without
-AMX), each arm at mup-isoflop's rule: W_Q = I at its base alpha, the baseline at its base
-alpha x 128 / d (its best alpha halved from d = 128 to 256 under μP). Not 12 layers at
-d = 768-1024: the english corpus holds 35M training bytes, and a compute-optimal model of that
-size (85M parameters at d = 768) would read 1.7G tokens, 50 passes over it. On this ladder the
-guess at 1.024e16 reads it ~5 times.
+mup-isoflop-gpu-lr: the lr first, at each budget of the IsoFLOP ladder (mup-isoflop continued
+past its 1.6e14 on the same 4-layer family and settings: 6.4e14, 2.56e15 and 1.024e16 training
+FLOPs): each arm at the budget's guessed optimal width (below) at the base lr / 4, / 8, / 16
+and / 32. μP carries the lr across width, not across the number of steps: on the CPU the best
+lr fell 4-8x below the base grid's by 4e13 FLOPs (docs/results/mup-transfer), so a ladder at
+the base lr would compare two arms that are both far from their best.
+
+mup-isoflop-gpu (written with --scan, once the lr scan has run): the ladder's sizes, five widths
+per budget (steps of 64) centred on the guess, the width whose run reads ~100 tokens per
+parameter (as the CPU ladder's minima did), each arm at its best lr of that budget's scan.
+Both in bf16 (the CPU stage's fp32 is for CPUs without AMX), each arm at mup-isoflop's rule:
+W_Q = I at its base alpha, the baseline at its base alpha x 128 / d (its best alpha halved from
+d = 128 to 256 under μP). Not 12 layers at d = 768-1024: the english corpus holds 35M training
+bytes, and a compute-optimal model of that size (85M parameters at d = 768) would read 1.7G
+tokens, 50 passes over it. Even on this ladder the guess reads it 3, 6 and 14 times at the
+three budgets: past ~4 passes repeated tokens are worth less than fresh ones (Muennighoff et
+al., 2023), so the top rung's minimum is that of a corpus-bound model, and it moves towards
+larger N.
 
 Each arm's base setting: --lr and --alpha for both arms where given; else that arm's best of the
 base grid (the lowest mean final val loss at d = 128, 4 layers) where its report
@@ -23,6 +33,7 @@ exist; else lr 4e-3 and alpha 1.
 the CPU, a few steps each, on the prepared data folder --data names.
 
     python scripts/gpu_mup_specs.py --dir /tmp/specs [--lr 4e-3] [--alpha 1] [--smoke --data D]
+    python scripts/gpu_mup_specs.py --dir /tmp/specs --scan SWEEP   # + mup-isoflop-gpu.toml
 """
 
 from __future__ import annotations
@@ -32,11 +43,13 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tomli_w
 
 from qkvlab.errors import QkvlabError
+from qkvlab.experiments.isoflop import lr_scans
+from qkvlab.experiments.report import build_report
 from qkvlab.experiments.spec import group_name, load_spec
 from qkvlab.model.params import count_params
 from qkvlab.run.config import RunConfig, load_config
@@ -50,7 +63,10 @@ BASE_SHAPE = (128, 4)  # width, layers of the base grid
 
 TRANSFER_WIDTHS, TRANSFER_LAYERS = (768, 1024), 12
 BUDGETS = (6.4e14, 2.56e15, 1.024e16)
-TOKENS_PER_PARAM = 20.0  # Chinchilla's ratio, where each budget's widths are centred
+# where each budget's widths are centred: the CPU ladder's minima (1e13, 4e13, each arm at its
+# best lr) read 92-124 tokens per parameter, bytes being cheaper tokens than Chinchilla's ~20
+TOKENS_PER_PARAM = 100.0
+SCAN_DIVISORS = (4, 8, 16, 32)  # a budget's lr scan: the base lr over these
 HEAD = 64  # d_k: n_head = width / 64
 
 SMOKE_WIDTHS, SMOKE_LAYERS = (64, 128), 2
@@ -138,9 +154,16 @@ def transfer_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
         "seeds": [1]}, "variant": variants}
 
 
-def centred_widths(budget: float, config: Any, count: int = 5) -> list[int]:
-    """`count` widths in steps of 64 around the one whose run at `budget` reads the nearest
-    to TOKENS_PER_PARAM tokens per parameter (none under 64)."""
+class Rung(NamedTuple):
+    """One budget of the ladder: the width of the guessed optimum and the widths run."""
+
+    centre: int
+    widths: list[int]
+
+
+def guessed_width(budget: float, config: Any) -> int:
+    """The width (a step of 64) whose run at `budget` reads the nearest to TOKENS_PER_PARAM
+    tokens per parameter."""
     def distance(width: int) -> float:
         try:
             cfg = config(width, budget)
@@ -149,14 +172,17 @@ def centred_widths(budget: float, config: Any, count: int = 5) -> list[int]:
         tokens = cfg.steps * cfg.tokens_per_step
         return abs(math.log(tokens / count_params(cfg.model).total / TOKENS_PER_PARAM))
 
-    centre = min(range(HEAD, 4097, HEAD), key=distance)
+    return min(range(HEAD, 4097, HEAD), key=distance)
+
+
+def centred_widths(centre: int, count: int = 5) -> list[int]:
+    """`count` widths in steps of 64 around `centre`, none under 64."""
     first = max(HEAD, centre - HEAD * (count // 2))
     return [first + HEAD * i for i in range(count)]
 
 
-def isoflop_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
-                 extra: list[str]) -> tuple[dict[str, Any], dict[float, list[int]]]:
-    """One variant per arm, width and budget, each the group it names."""
+def _ladder(smoke: bool, extra: list[str]) -> tuple[list[str], dict[float, Rung]]:
+    """The ladder's `set` lines and its rungs."""
     base = load_spec("mup-isoflop")
     head = [*base.set, "model.attn_impl=sdpa", "train.dtype=bf16", *extra]
 
@@ -168,36 +194,103 @@ def isoflop_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
     if smoke:  # budgets of 1 and 2 steps of the wider smoke shape (~5 and ~8 of the narrower)
         head += [f"model.n_layer={SMOKE_LAYERS}"]
         per_step = config(max(SMOKE_WIDTHS), 1e30).flops_per_step
-        plan = {k * per_step: list(SMOKE_WIDTHS) for k in (1.5, 2.5)}
-    else:
-        plan = {b: centred_widths(b, config) for b in BUDGETS}
+        return head, {k * per_step: Rung(max(SMOKE_WIDTHS), list(SMOKE_WIDTHS))
+                      for k in (1.5, 2.5)}
+    centres = {b: guessed_width(b, config) for b in BUDGETS}
+    return head, {b: Rung(c, centred_widths(c)) for b, c in centres.items()}
+
+
+def _ladder_variant(arm: str, alpha: float, width: int, budget: float, lr: float,
+                    name: str, family: str) -> dict[str, Any]:
+    return {"name": name, "family": family, "rule": arm, **_shape(width),
+            "flop_budget": budget, "lr": lr,
+            "attn_scale": _scale(width_alpha(arm, alpha, width))}
+
+
+def _ladder_spec(name: str, description: str, head: list[str],
+                 variants: list[dict[str, Any]]) -> dict[str, Any]:
+    variants[0]["baseline"] = True  # the baseline arm's first group
+    return {"spec": {"name": name, "description": description,
+                     "base": load_spec("mup-isoflop").base, "set": head, "seeds": [1]},
+            "variant": variants}
+
+
+def _describe(widths: dict[float, list[int]]) -> str:
+    return "; ".join(f"{b:.4g} FLOPs at d = {', '.join(map(str, w))}"
+                     for b, w in widths.items())
+
+
+def scan_lrs(base_lr: float) -> list[float]:
+    """A budget's lr scan: the base lr over SCAN_DIVISORS, rounded to 3 significant digits."""
+    return [float(f"{base_lr / k:.3g}") for k in SCAN_DIVISORS]
+
+
+def isoflop_lr_spec(settings: dict[str, tuple[float, float, str]], smoke: bool,
+                    extra: list[str]) -> tuple[dict[str, Any], dict[float, Rung]]:
+    """Each arm at each budget's guessed optimal width at scan_lrs(its base lr), a family per
+    arm and lr (W_Q = I's met by the baseline's at the same lr, as in mup-isoflop's scans)."""
+    head, plan = _ladder(smoke, extra)
+    reference = scan_lrs(settings[ARMS[0]][0])  # the baseline's lrs, each a family
     variants = []
     for arm in ARMS:
         lr, alpha, _ = settings[arm]
-        for budget, widths in plan.items():
+        for budget, (centre, _) in plan.items():
+            for x in scan_lrs(lr):
+                family = f"{arm}-lr{x:g}"
+                v = _ladder_variant(arm, alpha, centre, budget, x, group_name(
+                    f"{family}-d{centre}", {"flop_budget": budget}), family)
+                if arm != ARMS[0] and x in reference:
+                    v["versus"] = f"{ARMS[0]}-lr{x:g}"
+                variants.append(v)
+    at = _describe({b: [r.centre] for b, r in plan.items()})
+    about = (f"μP IsoFLOP ladder, the lr first: {at} (4 layers, d_k = 64), each arm at its base "
+             f"lr over {', '.join(map(str, SCAN_DIVISORS))}. One seed.")
+    return _ladder_spec("mup-isoflop-gpu-lr", about, head, variants), plan
+
+
+def scan_best(sweep_dir: Path) -> dict[tuple[str, float], tuple[float, bool]]:
+    """Per (arm, budget), the best lr of the finished lr scan in `sweep_dir` (a sweep of
+    mup-isoflop-gpu-lr) and whether a run on each side of it brackets it."""
+    rep = build_report(load_spec(sweep_dir), sweep_dir)
+    rule = {g.group.name: g.rule for g in rep.groups}
+    return {(str(rule[sc.points[0].group]), sc.budget): (sc.best.lr, sc.bracketed)
+            for sc in lr_scans(rep)}
+
+
+def isoflop_spec(settings: dict[str, tuple[float, float, str]], smoke: bool, extra: list[str],
+                 best: dict[tuple[str, float], tuple[float, bool]]
+                 ) -> tuple[dict[str, Any], dict[float, Rung]]:
+    """One variant per arm, width and budget, each the group it names, at that arm's best lr
+    of the budget's scan (`best`, from scan_best)."""
+    head, plan = _ladder(smoke, extra)
+    missing = [f"{arm} at {b:.4g}" for arm in ARMS for b in plan if (arm, b) not in best]
+    if missing:
+        raise QkvlabError(f"the lr scan has no result for {', '.join(missing)}: run its sweep "
+                          "(mup-isoflop-gpu-lr) to the end first")
+    variants = []
+    for arm in ARMS:
+        _, alpha, _ = settings[arm]
+        for budget, (_, widths) in plan.items():
             for w in widths:
                 name = group_name(f"{arm}-d{w}", {"flop_budget": budget})  # as a grid names it
-                variants.append({"name": name, "family": arm, "rule": arm, **_shape(w),
-                                 "flop_budget": budget, "lr": lr,
-                                 "attn_scale": _scale(width_alpha(arm, alpha, w)),
-                                 **({"baseline": True} if not variants else {})})
-    spec = {"spec": {
-        "name": "mup-isoflop-gpu",
-        "description": "μP IsoFLOP ladder past the CPU's budgets: "
-                       + "; ".join(f"{b:.4g} FLOPs at d = {', '.join(map(str, w))}"
-                                   for b, w in plan.items())
-                       + " (4 layers, d_k = 64). One seed.",
-        "base": base.base, "set": head, "seeds": [1]}, "variant": variants}
-    return spec, plan
+                variants.append(_ladder_variant(arm, alpha, w, budget, best[arm, budget][0],
+                                                name, arm))
+    about = (f"μP IsoFLOP ladder past the CPU's budgets: "
+             f"{_describe({b: r.widths for b, r in plan.items()})} (4 layers, d_k = 64), each "
+             "arm at its best lr of the budget's scan (mup-isoflop-gpu-lr). One seed.")
+    return _ladder_spec("mup-isoflop-gpu", about, head, variants), plan
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--dir", required=True, help="folder to write the two specs into")
+    p.add_argument("--dir", required=True, help="folder to write the specs into")
     p.add_argument("--lr", type=float, help="both arms' base lr")
     p.add_argument("--alpha", type=float, help="both arms' base alpha (scale x sqrt(d_k))")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, fp32 on the CPU")
     p.add_argument("--data", help="the prepared data folder (default: the specs' own)")
+    p.add_argument("--scan", type=Path, metavar="SWEEP",
+                   help="the lr scan's sweep folder: also write the ladder's sizes at each "
+                        "arm's best lr of it (mup-isoflop-gpu.toml)")
     args = p.parse_args(argv)
     if args.smoke and not args.data:
         p.error("--smoke needs --data (a prepared byte-level data folder)")
@@ -209,19 +302,28 @@ def main(argv: list[str] | None = None) -> int:
     extra += list(SMOKE_SET) if args.smoke else []
     try:
         settings = arm_settings(args.lr, args.alpha)
-        transfer = transfer_spec(settings, args.smoke, extra)
-        isoflop, plan = isoflop_spec(settings, args.smoke, extra)
+        specs = [transfer_spec(settings, args.smoke, extra)]
+        scan, plan = isoflop_lr_spec(settings, args.smoke, extra)
+        specs.append(scan)
+        if args.scan:
+            best = scan_best(args.scan)
+            specs.append(isoflop_spec(settings, args.smoke, extra, best)[0])
     except QkvlabError as exc:
         print(f"gpu_mup_specs: error: {exc}", file=sys.stderr)
         return 2
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
-    for spec in (transfer, isoflop):
+    for spec in specs:
         (out / f"{spec['spec']['name']}.toml").write_text(tomli_w.dumps(spec), encoding="utf-8")
     for arm, (lr, alpha, source) in settings.items():
-        print(f"{arm}: lr {lr:g}, alpha {alpha:g} ({source})")
-    for budget, widths in plan.items():
-        print(f"IsoFLOP {budget:.4g} FLOPs: d = {', '.join(map(str, widths))}")
+        print(f"{arm}: lr {lr:g}, alpha {alpha:g} ({source}); the ladder's lr scan: "
+              + ", ".join(f"{x:g}" for x in scan_lrs(lr)))
+    for budget, (centre, widths) in plan.items():
+        at = "".join(f"; {arm} at lr {best[arm, budget][0]:g}"
+                     + ("" if best[arm, budget][1] else " (an end of its scan: a bound)")
+                     for arm in ARMS) if args.scan else ""
+        print(f"IsoFLOP {budget:.4g} FLOPs: d = {', '.join(map(str, widths))}, the lr scanned "
+              f"at d = {centre}{at}")
     return 0
 
 

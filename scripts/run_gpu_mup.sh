@@ -6,10 +6,13 @@
 #             check and a PNG per arm (standard above μP) in $OUT/coordcheck/
 #   transfer  the transfer cross at d = 768 and 1024, 12 layers, both arms: each arm's base lr and
 #             alpha and each x/÷ 2 around it, at the base grid's budget (spec mup-transfer-gpu)
-#   isoflop   the IsoFLOP ladder continued past the CPU's budgets on its 4-layer family:
-#             6.4e14, 2.56e15, 1.024e16 FLOPs, five widths each (spec mup-isoflop-gpu)
-# scripts/gpu_mup_specs.py writes the two specs (its docstring says why the ladder keeps 4
-# layers: the english corpus is too small for compute-optimal models at d = 768). The base lr
+#   isoflop-lr  the lr at each budget of the IsoFLOP ladder continued past the CPU's budgets on
+#             its 4-layer family (6.4e14, 2.56e15, 1.024e16 FLOPs): each arm at the budget's
+#             centre width at the base lr / 4, 8, 16, 32 (spec mup-isoflop-gpu-lr)
+#   isoflop   the ladder's sizes, five widths per budget, each arm at its best lr of the
+#             budget's scan (spec mup-isoflop-gpu, written once isoflop-lr has run)
+# scripts/gpu_mup_specs.py writes the specs (its docstring says why the ladder keeps 4 layers:
+# the english corpus is too small for compute-optimal models at d = 768). The base lr
 # and alpha: LR and ALPHA (both arms) where set, else each arm's best of the base grid where
 # docs/results/mup-transfer/report.json and its archived sweep exist, else 4e-3 and 1.
 #
@@ -19,14 +22,15 @@
 # There, from the repository root (`carry` .gpu-stage on a lent device machine):
 #   OUT=/tmp/out scripts/run_gpu_mup.sh
 # It writes into $OUT: coordcheck/ (4 JSON, 2 PNG), mup-gpu-runs.tar.gz (the finished runs'
-# records of both sweeps: config, metrics, summary; rewritten after each part, so a call stopped
+# records of the sweeps: config, metrics, summary; rewritten after each part, so a call stopped
 # at its time limit still returns what finished) and run.log. Back here:
 #   tar -xzf mup-gpu-runs.tar.gz -C /tmp && \
 #   qkvlab archive /tmp/mup-gpu-runs/mup-transfer-gpu docs/results/sweeps/mup-transfer-gpu && \
 #   qkvlab report docs/results/sweeps/mup-transfer-gpu --out docs/results/mup-transfer-gpu
 #
-# PARTS (default "coord transfer isoflop") picks the parts; JOBS (default 4) runs train at once
-# on the GPU; the sweeps live in $WORK/sweeps (default WORK=/tmp/qkvlab-gpu-mup) and resume there.
+# PARTS (default "coord transfer isoflop-lr isoflop") picks the parts; JOBS (default 4) runs
+# train at once on the GPU; the sweeps live in $WORK/sweeps (default WORK=/tmp/qkvlab-gpu-mup)
+# and resume there.
 # --smoke (or SMOKE=1): every part for a few steps at tiny widths (2 layers, d = 64 and 128), fp32
 # on the CPU, on a byte corpus prepared from docs/theory.md: a check of the script anywhere.
 set -euo pipefail
@@ -58,7 +62,7 @@ SMOKE=${SMOKE:-0}
 OUT=${OUT:-runs/gpu-mup}
 WORK=${WORK:-/tmp/qkvlab-gpu-mup}
 JOBS=${JOBS:-4}
-PARTS=${PARTS:-coord transfer isoflop}
+PARTS=${PARTS:-coord transfer isoflop-lr isoflop}
 mkdir -p "$OUT/coordcheck" "$WORK"
 OUT=$(cd "$OUT" && pwd)
 WORK=$(cd "$WORK" && pwd)
@@ -143,8 +147,10 @@ sweep() {  # one generated spec, resumable in $WORK/sweeps/<name>
         case $part in
             coord) coord ;;
             transfer) sweep mup-transfer-gpu ;;
-            isoflop) sweep mup-isoflop-gpu ;;
-            *) echo "unknown part $part (coord, transfer, isoflop)" >&2; exit 2 ;;
+            isoflop-lr) sweep mup-isoflop-gpu-lr ;;
+            isoflop) "$PY" scripts/gpu_mup_specs.py "${SPECS[@]}" \
+                         --scan "$WORK/sweeps/mup-isoflop-gpu-lr" && sweep mup-isoflop-gpu ;;
+            *) echo "unknown part $part (coord, transfer, isoflop-lr, isoflop)" >&2; exit 2 ;;
         esac
     done
 } 2>&1 | tee "$OUT/run.log"

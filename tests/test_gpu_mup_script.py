@@ -4,6 +4,7 @@ CPU (no GPU, no network), with the records it promises in $OUT."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -55,6 +56,21 @@ def test_smoke_mode_writes_the_coordinate_checks_and_the_run_records(tmp_path):
             "q-identity-d128-L2-lr.lr0.006", "baseline-d64-L2-alpha.alpha0.5",
             "baseline-d64-L2-alpha.alpha2"} <= set(transfer)
     assert all(s["steps"] == 2 and s["final_val_loss"] > 0 for s in transfer.values())
+    # each budget's lr scan: each arm at the centre width at the base lr / 4, 8, 16, 32
+    scan = {p.parent.parent.name: json.loads(p.read_text())
+            for p in (root / "mup-isoflop-gpu-lr").glob("*/seed-1/summary.json")}
+    assert len(scan) == 2 * 2 * 4  # arms x budgets x lrs
+    best: dict[tuple[str, float], tuple[float, float]] = {}  # (arm, budget) -> (loss, lr)
+    for name, summary in scan.items():
+        config = tomllib.loads((root / "mup-isoflop-gpu-lr" / name / "seed-1" / "config.toml")
+                               .read_text())
+        assert config["model"]["n_embd"] == 128
+        lr, budget = config["optim"]["lr"], config["train"]["flop_budget"]
+        assert lr in (7.5e-4, 3.75e-4, 1.88e-4, 9.38e-5)  # 3 significant digits
+        key = ("baseline" if name.startswith("baseline") else "q-identity", budget)
+        best[key] = min(best.get(key, (math.inf, 0.0)),
+                        (summary["final_val_loss_long"]["loss"], lr))
+    # the sizes, each arm at its best lr of the budget's scan
     isoflop = {p.parent.parent.name: json.loads(p.read_text())
                for p in (root / "mup-isoflop-gpu").glob("*/seed-1/summary.json")}
     assert len(isoflop) == 2 * 2 * 2  # arms x widths x budgets
@@ -64,6 +80,9 @@ def test_smoke_mode_writes_the_coordinate_checks_and_the_run_records(tmp_path):
         budget = config["train"]["flop_budget"]
         assert "max_steps" not in config["train"]
         assert name == group_name(name.split(".flops")[0], {"flop_budget": budget})
+        arm = "baseline" if name.startswith("baseline") else "q-identity"
+        assert config["optim"]["lr"] == best[arm, budget][1]
+        assert f"{arm} at lr {best[arm, budget][1]:g}" in log
         # the baseline's alpha falls as 128 / d (mup-isoflop's rule), W_Q = I's is carried
         width = config["model"]["n_embd"]
         alpha = 128 / width if name.startswith("baseline") else 1
