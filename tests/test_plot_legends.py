@@ -17,6 +17,7 @@ import pytest  # noqa: E402
 
 from qkvlab.experiments.plot_layout import (  # noqa: E402
     MAX_SERIES,
+    arm_colors,
     chunks,
     legend_beside,
     nudges,
@@ -33,6 +34,25 @@ def test_every_variant_of_a_large_sweep_has_its_own_colour_and_line_style():
     assert len({(lk["color"], lk["ls"]) for lk in looks.values()}) == 40
     assert looks["group-0"] == {"color": "C0", "ls": "-"}
     assert looks["group-10"] == {"color": "C0", "ls": "--"}  # the palette's second round
+
+
+def test_families_of_one_arm_share_its_hue_and_still_differ():
+    # mup-isoflop's case: each arm at the carried lr, at its tuned lr and in an lr scan
+    arm_of = {"baseline": "baseline", "q-identity": "q-identity", "baseline-tuned": "baseline",
+              "q-identity-tuned": "q-identity", "baseline-lr2e-3": "baseline", "wide": "wide"}
+    colors = arm_colors(arm_of)
+    assert len(set(colors.values())) == len(arm_of)
+
+    def hue(name: str) -> float:
+        return float(matplotlib.colors.rgb_to_hsv(matplotlib.colors.to_rgb(colors[name]))[0])
+
+    blue, orange = hue("baseline"), hue("q-identity")
+    assert abs(blue - orange) > 0.3
+    assert abs(hue("baseline-tuned") - blue) < 0.05 and abs(hue("baseline-lr2e-3") - blue) < 0.05
+    assert abs(hue("q-identity-tuned") - orange) < 0.05
+    # with one family per arm, the default cycle, as every other report draws them
+    assert arm_colors({"baseline": "baseline", "q-identity": "q-identity"}) == \
+        {"baseline": "C0", "q-identity": "C1"}
 
 
 def test_chunks_are_even_and_never_over_the_limit():

@@ -34,6 +34,33 @@ def variant_colors(names: list[str]) -> dict[str, str]:
     return {name: palette[i % len(palette)] for i, name in enumerate(names)}
 
 
+# one sequential colormap per arm, in the order of matplotlib's default cycle (C0 blue, C1
+# orange, ...), so that an arm keeps roughly its usual colour when it has several families
+HUES = ("Blues", "Oranges", "Greens", "Reds", "Purples", "YlOrBr", "RdPu", "Greys", "YlGn",
+        "GnBu")
+SHADES = (0.85, 0.45)  # darkest and lightest level of a hue's colormap an arm's families take
+
+
+def arm_colors(arm_of: dict[str, str]) -> dict[str, str]:
+    """One colour per name (a family) from its arm (`arm_of[name]`): where an arm has several
+    names (one arm at several lrs, or its curve at the carried and at the tuned lr), they
+    share the arm's hue, dark to light in the order given, so a figure's colours say the arm
+    before the legend does; where every arm has one name, the default cycle (variant_colors)."""
+    arms = list(dict.fromkeys(arm_of.values()))
+    if len(arms) == len(arm_of):
+        return variant_colors(list(arm_of))
+    from matplotlib import colormaps, colors  # ~0.3 s: only a report that plots pays for it
+
+    out = {}
+    for k, arm in enumerate(arms):
+        names = [n for n, a in arm_of.items() if a == arm]
+        cmap = colormaps[HUES[k % len(HUES)]]
+        for i, name in enumerate(names):
+            level = SHADES[0] - (SHADES[0] - SHADES[1]) * i / max(1, len(names) - 1)
+            out[name] = colors.to_hex(cmap(level if len(names) > 1 else 0.75))
+    return out
+
+
 STYLES = ["-", "--", ":", "-."]
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from qkvlab.experiments.headline import Comparison, Headline
 from qkvlab.experiments.plot_layout import (
     MAX_SERIES,
+    arm_colors,
     chunks,
     facets,
     legend_beside,
@@ -85,8 +86,12 @@ def group_panels(groups: list[GroupResult], first: GroupResult | None = None,
 
 
 def family_colors(rep: Report) -> dict[str, str]:
-    """One colour per family of the report, the same in each of its figures."""
-    return variant_colors(list(dict.fromkeys(g.group.family for g in rep.groups)))
+    """One colour per family of the report, the same in each of its figures: the families of
+    one rule (an arm's lrs, its carried and tuned curves) share its hue (arm_colors)."""
+    arm_of: dict[str, str] = {}
+    for g in rep.groups:
+        arm_of.setdefault(g.group.family, g.rule or g.group.family)
+    return arm_colors(arm_of)
 
 
 def _looks(rep: Report, reduced: bool) -> Callable[[GroupResult], dict[str, str]]:
