@@ -356,3 +356,29 @@ flop_budget = {budget}
     assert "its training time (s)" in text and "isoflop_frontier.png" in text
     # one budget tested: no line of the gap against compute, and the report says why
     assert iso["trends"] == [] and "No line of the gap against compute yet" in text
+    # the answer is the minima's gaps over the fresh seeds, Holm over each family's budgets
+    head = data["headline"]
+    assert head["kind"] == "isoflop" and head["holm_over"] == "each family's budgets"
+    assert {(c["family"], c["reference"]) for c in head["comparisons"]} == {
+        (g["family"], g["reference"]) for g in iso["gaps"] if g["fresh_seeds"]}
+    answer = text.split("## The answer")[1].split("\n## ")[0]
+    assert "IsoFLOP minimum" in answer and f"FLOPs {budget:g}" in answer
+
+
+def test_a_group_at_another_budget_is_paired_with_its_own_budgets_reference():
+    from types import SimpleNamespace
+
+    from qkvlab.experiments.results import has_own_reference
+
+    def group(family: str, budget: float | None, width: int = 64) -> SimpleNamespace:
+        config = SimpleNamespace(model=SimpleNamespace(n_embd=width, n_layer=4),
+                                 train=SimpleNamespace(flop_budget=budget))
+        return SimpleNamespace(group=SimpleNamespace(family=family, config=config))
+
+    ref, ref_1e13 = group("baseline", 4e13), group("baseline", 1e13)
+    qid_4e13, qid_1e13 = group("qid", 4e13), group("qid", 1e13)
+    lone = group("qid", 1.6e14)  # no baseline at its budget: paired with the reference
+    groups = [ref, ref_1e13, qid_4e13, qid_1e13, lone]
+    assert not has_own_reference(qid_4e13, ref, groups)
+    assert has_own_reference(qid_1e13, ref, groups) and has_own_reference(ref_1e13, ref, groups)
+    assert not has_own_reference(lone, ref, groups)

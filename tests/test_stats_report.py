@@ -120,8 +120,8 @@ n_embd = 12
     assert set(data["gap_over_training"]["relative_pct"]) == {"qid", "qid-narrow"}
     paired = text.split("## Paired differences")[1].split("\n## ")[0]
     assert "| qid |" in paired and "qid-wide" not in paired
-    assert "2 group(s) at another width or depth than the baseline (d = 16, 1 layers) have a " \
-        "reference of their own shape" in text
+    assert "2 group(s) at another width, depth or budget than the baseline (d = 16, 1 layers) " \
+        "have a reference of their own shape" in text
 
 
 def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_lr(

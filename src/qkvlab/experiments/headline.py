@@ -1,7 +1,9 @@
 """A report's headline: the comparisons that answer its question, read with two tests.
 
 Which comparisons: in an attention-scale scan, each arm at its own best alpha against the
-reference family at its best, per width and lr (the tuned gaps); in a sweep along a width or
+reference family at its best, per width and lr (the tuned gaps); in an IsoFLOP sweep, each
+family's minimum against its reference family's at the same budget, over the fresh seeds (Holm
+over each family's budgets, as the IsoFLOP section reads them); in a sweep along a width or
 learning-rate trend, each group against the reference family at the same setting (and, on the
 lr, each family at its best lr); otherwise each group against the reference.
 
@@ -18,6 +20,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from qkvlab.experiments.isoflop import BudgetGap
 from qkvlab.experiments.results import (
     TREND_AXES,
     GroupResult,
@@ -80,6 +83,7 @@ class Headline:
     question: str
     margin_pct: float
     rows: list[Comparison] = field(default_factory=list)
+    holm_scope: str | None = None  # what Holm adjusts over, where not the table's rows
 
     @property
     def tested(self) -> int:
@@ -88,14 +92,19 @@ class Headline:
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "question": self.question, "margin_pct": self.margin_pct,
-                "holm_over": self.tested, "level": LEVEL,
+                "holm_over": self.holm_scope or self.tested, "level": LEVEL,
                 "comparisons": [c.as_dict(self.margin_pct) for c in self.rows]}
 
 
-def headline(rep: Report, scan: ScaleScan) -> Headline:
-    """The report's headline comparisons, Holm-adjusted over them and each with its TOST."""
+def headline(rep: Report, scan: ScaleScan, budget_gaps: list[BudgetGap] | None = None
+             ) -> Headline:
+    """The report's headline comparisons, Holm-adjusted over them (an IsoFLOP sweep's, from
+    `budget_gaps`, over each family's budgets) and each with its TOST."""
     groups = {g.group.name: g for g in rep.groups}
     ref = rep.baseline.group.family
+    fresh = [b for b in budget_gaps or [] if b.fresh is not None]
+    if fresh and not scan.tuned:
+        return _isoflop(rep, groups, fresh)
     if scan.tuned:
         h = Headline("scale scan", f"Each arm at its own best alpha against {ref} at its best, "
                      "per width and learning rate.", rep.margin_pct,
@@ -131,6 +140,19 @@ def _trend(rep: Report, groups: dict[str, GroupResult]) -> Headline | None:
                                           if rep.tuned_gaps.get(axis.name) else "") + ".",
                         rep.margin_pct, rows)
     return None
+
+
+def _isoflop(rep: Report, groups: dict[str, GroupResult], gaps: list[BudgetGap]) -> Headline:
+    rows = []
+    for b in gaps:
+        assert b.fresh is not None  # only gaps with fresh seeds are passed
+        c = Comparison(b.group, b.reference, b.family, {"FLOPs": b.budget}, result=b.fresh,
+                       p_holm=b.p_holm, **_sides(groups[b.group], groups[b.reference]))
+        c.equivalence = b.fresh.equivalence(rep.margin_pct)
+        rows.append(c)
+    return Headline("isoflop", "Each family's IsoFLOP minimum against its reference family's "
+                    "at the same training budget, over the seeds that did not pick either "
+                    "minimum.", rep.margin_pct, rows, holm_scope="each family's budgets")
 
 
 def _shared(g: GroupResult) -> dict[str, float]:

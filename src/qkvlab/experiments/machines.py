@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qkvlab.experiments.results import GroupResult, Report, has_own_reference
+from qkvlab.experiments.results import GroupResult, Report, has_own_reference, paired_shape
 from qkvlab.experiments.runs import RunData
 from qkvlab.experiments.sweep import MAX_SESSIONS
 from qkvlab.run.layout import SUMMARY_FILE
@@ -62,14 +62,13 @@ def run_machine(run: RunData, sessions: dict[str, Any] | None) -> dict[str, str]
 
 def _references(g: GroupResult, rep: Report) -> list[GroupResult]:
     """The groups `g` is compared with: the reference, or the reference's family at g's shape
-    for a sweep over widths (results.has_own_reference)."""
+    for a sweep over widths or budgets (results.has_own_reference)."""
     base = rep.baseline
     if g is base:
         return []
     if has_own_reference(g, base, rep.groups):
-        shape = (g.group.config.model.n_embd, g.group.config.model.n_layer)
         return [h for h in rep.groups if h.group.family == base.group.family
-                and (h.group.config.model.n_embd, h.group.config.model.n_layer) == shape]
+                and paired_shape(h) == paired_shape(g)]
     return [base] if g.paired is not None else []
 
 

@@ -20,6 +20,7 @@ from qkvlab.experiments.results import (
     TrendAxis,
     grid_families,
     has_own_reference,
+    paired_shape,
     scanned_settings,
 )
 from qkvlab.experiments.runs import ATTENTION_WINDOWS
@@ -101,11 +102,12 @@ def verdicts(rep: Report) -> list[str]:
     lines = [verdict(g, rep.ref) for g in rep.groups
              if g is not rep.baseline and id(g) not in skip]
     if others:
-        m = rep.baseline.group.config.model
-        lines.append(f"{len(others)} group(s) at another width or depth than {rep.ref} "
-                     f"(d = {m.n_embd}, {m.n_layer} layers) have a reference of their own shape, "
-                     "so none is paired with it here: the width and scale-scan sections compare "
-                     "each width's arms.")
+        width, depth, budget = paired_shape(rep.baseline)
+        at = f"d = {width}, {depth} layers" + (f", {budget:.3g} FLOPs" if budget else "")
+        lines.append(f"{len(others)} group(s) at another width, depth or budget than {rep.ref} "
+                     f"({at}) have a reference of their own shape, so none is paired with it "
+                     "here: the width, scale-scan and IsoFLOP sections compare each shape's "
+                     "arms.")
     if unpaired and not rep.baseline.loss.n:
         lines.append(f"{rep.ref} has no finished run yet, so no variant is paired with it "
                      "(--versus GROUP names another reference).")

@@ -12,12 +12,14 @@ def headline_section(h: Headline, ref: str, figure: str | None) -> list[str]:
     if not h.rows:
         return []
     m = f"±{h.margin_pct:g}%"
+    scope = h.holm_scope or f"the {h.tested} comparisons of this table with a p"
+    whose = "its reference" if h.kind == "isoflop" else ref
     L = ["", "## The answer", "", h.question, "",
-         f"Each row: the paired gap in final validation loss as % of {ref}'s (mean over seeds, "
-         f"95% t interval), its p and Holm's adjustment over the {h.tested} comparisons of "
-         f"this table with a p, and the equivalence test (TOST: two one-sided t-tests, 90% "
-         f"interval) against a margin of {m} of the reference's loss. *worse* / *better*: "
-         f"Holm's p < {LEVEL:g}; *level within {m}*: the TOST p < {LEVEL:g}; *not resolved*: "
+         f"Each row: the paired gap in final validation loss as % of {whose}'s (mean over "
+         f"seeds, 95% t interval), its p and Holm's adjustment over {scope}, and the "
+         "equivalence test (TOST: two one-sided t-tests, 90% interval) against a margin of "
+         f"{m} of the reference's loss. *worse* / *better*: Holm's p < {LEVEL:g}; *level "
+         f"within {m}*: the TOST p < {LEVEL:g}; *not resolved*: "
          "neither, so the seeds cannot tell a difference of the margin's size from none. "
          "Columns *alpha* and *wd* give each side's logit scale (units of 1/sqrt(d_k)) and "
          "weight decay, the first for the variant.", ""]

@@ -342,14 +342,14 @@ class IsoFlop:
 def write_report(rep: Report, out: Path, command: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     scan = ScaleScan.of(rep)
-    head = headline(rep, scan)
+    iso = IsoFlop.of(rep)
+    head = headline(rep, scan, iso.gaps)
     plots = _draw(rep, out, scan, head)
     machines = machine_report(rep)  # which runs trained on which CPU kind and dtype
     rows = transfer_rows(rep)
     if plot_transfer(rows, f"{rep.spec.name}: does the tuned setting carry across shapes?",
                      out / "transfer.png"):
         plots["transfer"] = "transfer.png"
-    iso = IsoFlop.of(rep)
     iso.draw(rep, out, plots)
     # a sweep over budgets or shapes asks the question its own figure answers
     for answer in ("isoflop", "transfer"):

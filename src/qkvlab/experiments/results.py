@@ -183,19 +183,21 @@ def _reference(results: list[GroupResult], name: str, spec: Spec) -> GroupResult
     return hits[0]
 
 
-def _shape(g: GroupResult) -> tuple[int, int]:
-    m = g.group.config.model
-    return m.n_embd, m.n_layer
+def paired_shape(g: GroupResult) -> tuple[int, int, float | None]:
+    """Where a group meets its reference: its width, depth and training-FLOP budget."""
+    cfg = g.group.config
+    return cfg.model.n_embd, cfg.model.n_layer, cfg.train.flop_budget
 
 
 def has_own_reference(g: GroupResult, ref: GroupResult, groups: list[GroupResult]) -> bool:
-    """Whether `g` has another width or depth than `ref` and the sweep runs `ref`'s family at
-    `g`'s shape too: a sweep over widths, whose gaps are taken at each width (trend_gaps,
-    tuned_gaps, the scale scan), so a gap to `ref` would compare two sizes of model. A group
-    with no reference of its shape (a narrower model matched in parameters) is paired with
-    `ref`, as the spec means."""
-    return _shape(g) != _shape(ref) and any(
-        h.group.family == ref.group.family and _shape(h) == _shape(g) for h in groups)
+    """Whether `g` has another width, depth or FLOP budget than `ref` and the sweep runs
+    `ref`'s family there too: a sweep over widths or budgets, whose gaps are taken at each
+    (trend_gaps, tuned_gaps, the scale scan, the IsoFLOP minima), so a gap to `ref` would
+    compare two sizes of model or two budgets. A group with no reference of its shape (a
+    narrower model matched in parameters) is paired with `ref`, as the spec means."""
+    return paired_shape(g) != paired_shape(ref) and any(
+        h.group.family == ref.group.family and paired_shape(h) == paired_shape(g)
+        for h in groups)
 
 
 def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> None:
