@@ -362,7 +362,7 @@ flop_budget = {budget}
     assert {(c["family"], c["reference"]) for c in head["comparisons"]} == {
         (g["family"], g["reference"]) for g in iso["gaps"] if g["fresh_seeds"]}
     answer = text.split("## The answer")[1].split("\n## ")[0]
-    assert "IsoFLOP minimum" in answer and f"FLOPs {budget:g}" in answer
+    assert "IsoFLOP minimum" in answer and f"({budget:.3g} FLOPs) vs" in answer
 
 
 def test_a_group_at_another_budget_is_paired_with_its_own_budgets_reference():

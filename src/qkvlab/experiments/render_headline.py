@@ -40,7 +40,7 @@ def headline_section(h: Headline, ref: str, figure: str | None) -> list[str]:
 
 def _row(c: Comparison, margin_pct: float) -> str:
     r, eq = c.result, c.equivalence
-    where = ", ".join(f"{'d' if k == 'width' else k} {v:g}" for k, v in c.setting.items()
+    where = ", ".join(_setting(k, v) for k, v in c.setting.items()
                       if not k.startswith("reference_"))
     ref_lr = c.setting.get("reference_lr")
     vs = f"{c.reference}" + (f" (lr {ref_lr:g})" if ref_lr is not None else "")
@@ -54,3 +54,9 @@ def _row(c: Comparison, margin_pct: float) -> str:
             f"vs {wd_text(c.weight_decay[1])} | {', '.join(map(str, r.seeds))} | "
             f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} | {_p(r.test.p)} | {_p(c.p_holm)} | "
             f"{tost} | {c.reading(margin_pct)} |")
+
+
+def _setting(key: str, value: float) -> str:
+    if key == "FLOPs":
+        return f"{value:.3g} FLOPs"
+    return f"{'d' if key == 'width' else key} {value:g}"
