@@ -359,6 +359,7 @@ flop_budget = {budget}
     # the answer is the minima's gaps over the fresh seeds, Holm over each family's budgets
     head = data["headline"]
     assert head["kind"] == "isoflop" and head["holm_over"] == "each family's budgets"
+    assert head["figure"] == "gaps.png"  # each gap against the margin, named by its families
     assert {(c["family"], c["reference"]) for c in head["comparisons"]} == {
         (g["family"], g["reference"]) for g in iso["gaps"] if g["fresh_seeds"]}
     answer = text.split("## The answer")[1].split("\n## ")[0]

@@ -42,12 +42,20 @@ class Comparison:
     group: str
     reference: str
     family: str
-    setting: dict[str, float]  # the width and lr the two share, where a trend or scan varies them
+    setting: dict[str, float]  # the width and lr (or budget) the two share, where the sweep
+    # varies them
     alpha: tuple[float, float]  # the logit scale (units of 1/sqrt(d_k)) of each side
     weight_decay: tuple[float, float]
     result: PairedRelative
     p_holm: float | None = None
     equivalence: EquivalenceTest | None = None
+    reference_family: str = ""  # where each row has its own reference family (IsoFLOP)
+
+    def where(self) -> str:
+        """The shared setting as the report writes it: "d 128, lr 0.001" or "4e+13 FLOPs"."""
+        return ", ".join(f"{v:.3g} FLOPs" if k == "FLOPs" else
+                         f"{'d' if k == 'width' else k} {v:g}"
+                         for k, v in self.setting.items() if not k.startswith("reference_"))
 
     @property
     def seeds(self) -> int:
@@ -146,8 +154,10 @@ def _isoflop(rep: Report, groups: dict[str, GroupResult], gaps: list[BudgetGap])
     rows = []
     for b in gaps:
         assert b.fresh is not None  # only gaps with fresh seeds are passed
+        ref = groups[b.reference]
         c = Comparison(b.group, b.reference, b.family, {"FLOPs": b.budget}, result=b.fresh,
-                       p_holm=b.p_holm, **_sides(groups[b.group], groups[b.reference]))
+                       p_holm=b.p_holm, reference_family=ref.group.family,
+                       **_sides(groups[b.group], ref))
         c.equivalence = b.fresh.equivalence(rep.margin_pct)
         rows.append(c)
     return Headline("isoflop", "Each family's IsoFLOP minimum against its reference family's "

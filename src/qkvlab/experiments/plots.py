@@ -319,13 +319,14 @@ def _paired_xy(rep: Report, groups: list[GroupResult], key: str, shift: float
 
 
 def comparison_label(c: Comparison, settings: bool = True, alpha: bool = False) -> str:
-    """A headline row as the figure names it: the group, the width and lr it is compared at
+    """A headline row as the figure names it: the group (or, where each row has its own
+    reference family, the two families), the width and lr or budget it is compared at
     (`settings`) and each side's alpha (`alpha`)."""
-    parts = [f"{'d' if k == 'width' else k} {v:g}" for k, v in c.setting.items()
-             if settings and not k.startswith("reference_")]
+    parts = [c.where()] if settings and c.setting else []
     if alpha:
         parts.append(f"alpha {c.alpha[0]:.3g} vs {c.alpha[1]:.3g}")
-    return c.group + (f" ({', '.join(parts)})" if parts else "")
+    name = f"{c.family} vs {c.reference_family}" if c.reference_family else c.group
+    return name + (f" ({', '.join(parts)})" if parts else "")
 
 
 def plot_headline(h: Headline, ref: str, spec: str, path: Path) -> None:
@@ -356,7 +357,8 @@ def plot_headline(h: Headline, ref: str, spec: str, path: Path) -> None:
                    label=f"±{h.margin_pct:g}% equivalence margin")
     ax.set_yticks(ys, [comparison_label(c, settings, h.kind == "scale scan") for c in rows])
     ax.set_ylim(-0.7, len(rows) - 0.3)
-    ax.set_xlabel(f"gap to {ref} (% of its final val loss; below 0: better)")
+    who = "its reference" if h.kind == "isoflop" else ref
+    ax.set_xlabel(f"gap to {who} (% of its final val loss; below 0: better)")
     ax.grid(alpha=0.3, axis="x")
     suptitle(fig, f"{spec}: {h.question[0].lower()}{h.question[1:]} Gap in final validation "
                   "loss, paired by seed")

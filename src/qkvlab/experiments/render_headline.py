@@ -40,8 +40,7 @@ def headline_section(h: Headline, ref: str, figure: str | None) -> list[str]:
 
 def _row(c: Comparison, margin_pct: float) -> str:
     r, eq = c.result, c.equivalence
-    where = ", ".join(_setting(k, v) for k, v in c.setting.items()
-                      if not k.startswith("reference_"))
+    where = c.where()
     ref_lr = c.setting.get("reference_lr")
     vs = f"{c.reference}" + (f" (lr {ref_lr:g})" if ref_lr is not None else "")
     name = f"{c.group}" + (f" ({where})" if where else "") + f" vs {vs}"
@@ -54,9 +53,3 @@ def _row(c: Comparison, margin_pct: float) -> str:
             f"vs {wd_text(c.weight_decay[1])} | {', '.join(map(str, r.seeds))} | "
             f"{_pct(r.rel_pct)} | {_pct_ci(r.rel_ci)} | {_p(r.test.p)} | {_p(c.p_holm)} | "
             f"{tost} | {c.reading(margin_pct)} |")
-
-
-def _setting(key: str, value: float) -> str:
-    if key == "FLOPs":
-        return f"{value:.3g} FLOPs"
-    return f"{'d' if key == 'width' else key} {value:g}"

@@ -351,9 +351,10 @@ def write_report(rep: Report, out: Path, command: str) -> Path:
                      out / "transfer.png"):
         plots["transfer"] = "transfer.png"
     iso.draw(rep, out, plots)
-    # a sweep over budgets or shapes asks the question its own figure answers
+    # a sweep over budgets or shapes asks the question its own figure answers (an IsoFLOP
+    # sweep with fresh seeds at its minima: their gaps, gaps.png)
     for answer in ("isoflop", "transfer"):
-        if answer in plots:
+        if answer in plots and head.kind != "isoflop":
             plots["headline"] = plots[answer]
             break
     write_text_atomic(out / "report.json", json.dumps(
