@@ -254,15 +254,19 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
     arms = ("baseline", "q-identity")
     tuned = ({(f"{arm}-tuned", 4e-3, 64, n, 1e13) for arm in arms for n in (1, 2, 4)}
              | {("baseline-tuned", 4e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))}
-             | {("q-identity-tuned", 2e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))})
+             | {("q-identity-tuned", 2e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))}
+             | {("q-identity-wide-tuned", 4e-3, d, n, 4e13)
+                for d, n in ((64, 2), (64, 4), (128, 4))})
     scans = ({(f"{arm}-lr{lr}", float(lr), 64, 2, 1e13) for arm in arms for lr in ("8e-3", "2e-3")}
              | {("baseline-lr8e-3", 8e-3, 64, 4, 4e13), ("baseline-lr2e-3", 2e-3, 64, 4, 4e13)}
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
              | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14) for arm in arms
                 for lr in ("4e-3", "2e-3", "1e-3")}
-             | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13)
-                for lr in ("4e-3", "2e-3", "1e-3")})
+             | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "2e-3")})
     assert got == tuned | scans and len(checks) == len(got)
+    for g in checks:  # the wider MLP at every lr: 4d + d/2, the d^2 per layer W_Q = I saves
+        m = g.config.model
+        assert (m.hidden == 4 * m.n_embd + m.n_embd // 2) == g.family.startswith("q-identity-wide")
     # the curves at the carried lr (1.6e-2)
     groups = [g for g in groups if g not in checks]
     cells = {(g.family, g.config.model.n_embd, g.config.model.n_layer,
