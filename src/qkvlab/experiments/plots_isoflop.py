@@ -107,6 +107,8 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
     margin_band(ax, margin_pct)
     for fam in families:
         mine = [g for g in gaps if g.family == fam and g.fresh and g.fresh.rel_pct is not None]
+        if not mine:  # no fresh seeds at its minima: nothing to draw, no legend entry
+            continue
         xs = [g.budget for g in mine]
         ys = [g.fresh.rel_pct for g in mine]
         lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
