@@ -93,6 +93,12 @@ class Headline:
     rows: list[Comparison] = field(default_factory=list)
     holm_scope: str | None = None  # what Holm adjusts over, where not the table's rows
 
+    def reference_label(self, ref: str) -> str:
+        """Whom the gaps are measured against: `ref`, or "its reference" where each row has
+        its own reference family (an IsoFLOP sweep's minima)."""
+        own = self.rows and all(c.reference_family for c in self.rows)
+        return "its reference" if own else ref
+
     @property
     def tested(self) -> int:
         """How many comparisons Holm's adjustment runs over (those with a p)."""

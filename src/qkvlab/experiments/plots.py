@@ -357,8 +357,8 @@ def plot_headline(h: Headline, ref: str, spec: str, path: Path) -> None:
                    label=f"±{h.margin_pct:g}% equivalence margin")
     ax.set_yticks(ys, [comparison_label(c, settings, h.kind == "scale scan") for c in rows])
     ax.set_ylim(-0.7, len(rows) - 0.3)
-    who = "its reference" if h.kind == "isoflop" else ref
-    ax.set_xlabel(f"gap to {who} (% of its final val loss; below 0: better)")
+    ax.set_xlabel(f"gap to {h.reference_label(ref)} (% of its final val loss; below 0: "
+                  "better)")
     ax.grid(alpha=0.3, axis="x")
     suptitle(fig, f"{spec}: {h.question[0].lower()}{h.question[1:]} Gap in final validation "
                   "loss, paired by seed")

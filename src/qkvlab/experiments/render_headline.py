@@ -13,7 +13,7 @@ def headline_section(h: Headline, ref: str, figure: str | None) -> list[str]:
         return []
     m = f"±{h.margin_pct:g}%"
     scope = h.holm_scope or f"the {h.tested} comparisons of this table with a p"
-    whose = "its reference" if h.kind == "isoflop" else ref
+    whose = h.reference_label(ref)
     L = ["", "## The answer", "", h.question, "",
          f"Each row: the paired gap in final validation loss as % of {whose}'s (mean over "
          f"seeds, 95% t interval), its p and Holm's adjustment over {scope}, and the "
