@@ -55,9 +55,10 @@ def arm_colors(arm_of: dict[str, str]) -> dict[str, str]:
     for k, arm in enumerate(arms):
         names = [n for n, a in arm_of.items() if a == arm]
         cmap = colormaps[HUES[k % len(HUES)]]
-        for i, name in enumerate(names):
-            level = SHADES[0] - (SHADES[0] - SHADES[1]) * i / max(1, len(names) - 1)
-            out[name] = colors.to_hex(cmap(level if len(names) > 1 else 0.75))
+        for i, name in enumerate(names):  # a lone family takes the hue's middle
+            level = (SHADES[0] - (SHADES[0] - SHADES[1]) * i / (len(names) - 1)
+                     if len(names) > 1 else 0.75)
+            out[name] = colors.to_hex(cmap(level))
     return out
 
 
