@@ -222,6 +222,17 @@ def test_the_gap_trend_is_least_squares_in_log_compute():
     assert gap_trend(gaps[:2], "qid") is None
 
 
+def test_families_gaps_at_one_budget_are_drawn_side_by_side_not_on_one_x():
+    from qkvlab.experiments.plots_isoflop import _nudges
+
+    near = _nudges(["a", "b", "c"], [1e13, 4e13])
+    assert near["a"] < near["b"] == pytest.approx(1.0) < near["c"]  # centred on the budget
+    assert near["a"] * near["c"] == pytest.approx(1.0)
+    assert math.log10(near["c"] / near["b"]) == pytest.approx(0.02)  # visible on a short axis
+    far = _nudges(["a", "b"], [1e13, 1e19])  # with the paper's run, the axis spans decades
+    assert math.log10(far["b"] / far["a"]) == pytest.approx(0.02 * 6)
+
+
 @pytest.mark.parametrize("law", [(1.5, 60.0, 0.35, 200.0, 0.33), (1.2, 400.0, 0.5, 50.0, 0.2)])
 def test_the_scaling_fit_recovers_a_known_law_and_its_optimum_along_each_budget(law):
     E, A, a, B, b = law

@@ -99,17 +99,19 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
                    colors: dict[str, str] | None = None) -> None:
     """Each family's gap of the minima (fresh seeds: mean and 95% interval, % of the reference's
     loss) against training FLOPs, the fitted line with its 95% band, dashed past the budgets
-    run to `extrapolate_to` (the paper's run), where the extrapolation is marked."""
+    run to `extrapolate_to` (the paper's run), where the extrapolation is marked. Families'
+    points at one budget sit side by side (`_nudges`); their lines run through the budgets."""
     plt = pyplot()
     families = list(dict.fromkeys(g.family for g in gaps))
     colors = colors or variant_colors(families)
     fig, (ax,) = facets(plt, 1, ncols=1, panel=(6.4, 3.8))
     margin_band(ax, margin_pct)
-    for fam in families:
+    drawn = [f for f in families
+             if any(g.family == f and g.fresh and g.fresh.rel_pct is not None for g in gaps)]
+    nudge = _nudges(drawn, [g.budget for g in gaps] + [extrapolate_to or gaps[0].budget])
+    for fam in drawn:  # a family without fresh seeds at its minima: nothing to draw, no legend
         mine = [g for g in gaps if g.family == fam and g.fresh and g.fresh.rel_pct is not None]
-        if not mine:  # no fresh seeds at its minima: nothing to draw, no legend entry
-            continue
-        xs = [g.budget for g in mine]
+        xs = [g.budget * nudge[fam] for g in mine]
         ys = [g.fresh.rel_pct for g in mine]
         lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
               for y, g in zip(ys, mine, strict=True)]
@@ -124,8 +126,8 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
                         color=colors[fam])
         trend = next((t for t in trends if t.family == fam), None)
         if trend and xs:
-            ends = [min(xs), max(xs)]
-            for span, style in ((ends, "-"), ([max(xs), extrapolate_to], "--")):
+            ends = [min(g.budget for g in mine), max(g.budget for g in mine)]
+            for span, style in ((ends, "-"), ([ends[1], extrapolate_to], "--")):
                 if span[1] is None:
                     continue
                 grid = np.geomspace(span[0], span[1], 40)
@@ -148,6 +150,15 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
            f"no line: it takes {TREND_BUDGETS} budgets with fresh seeds")
     suptitle(fig, f"{title}\n{how}; labels: the two minima's d x layers")
     save(plt, fig, path)
+
+
+def _nudges(families: list[str], xs: list[float]) -> dict[str, float]:
+    """A factor on each family's budgets that sets their points side by side (a fiftieth of
+    the axis's decades apart, at least 0.02 decade), so error bars at one budget do not hide
+    each other."""
+    decades = max(math.log10(max(xs) / min(xs)), 1.0)
+    mid = (len(families) - 1) / 2
+    return {f: 10 ** (0.02 * decades * (i - mid)) for i, f in enumerate(families)}
 
 
 def plot_frontier(curves: list[IsoCurve], title: str, path: Path,
