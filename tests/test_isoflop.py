@@ -226,7 +226,8 @@ def test_families_gaps_at_one_budget_are_drawn_side_by_side_not_on_one_x():
     from qkvlab.experiments.plots_isoflop import _nudges
 
     near = _nudges(["a", "b", "c"], [1e13, 4e13])
-    assert near["a"] < near["b"] == pytest.approx(1.0) < near["c"]  # centred on the budget
+    assert near["a"] < near["b"] < near["c"]
+    assert near["b"] == pytest.approx(1.0)  # centred on the budget
     assert near["a"] * near["c"] == pytest.approx(1.0)
     assert math.log10(near["c"] / near["b"]) == pytest.approx(0.02)  # visible on a short axis
     far = _nudges(["a", "b"], [1e13, 1e19])  # with the paper's run, the axis spans decades
