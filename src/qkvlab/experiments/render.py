@@ -106,8 +106,7 @@ def verdicts(rep: Report) -> list[str]:
         at = f"d = {width}, {depth} layers" + (f", {budget:.3g} FLOPs" if budget else "")
         lines.append(f"{len(others)} group(s) at another width, depth or budget than {rep.ref} "
                      f"({at}) have a reference of their own shape, so none is paired with it "
-                     "here: the width, scale-scan and IsoFLOP sections compare each shape's "
-                     "arms.")
+                     "here: the sections below compare each shape's arms.")
     if unpaired and not rep.baseline.loss.n:
         lines.append(f"{rep.ref} has no finished run yet, so no variant is paired with it "
                      "(--versus GROUP names another reference).")
