@@ -378,10 +378,10 @@ flop_budget = {budget}
     assert "IsoFLOP minimum" in answer and f"({budget:.3g} FLOPs) vs" in answer
 
 
-def test_a_group_at_another_budget_is_paired_with_its_own_budgets_reference():
+def test_a_group_at_another_budget_is_never_paired_across_budgets():
     from types import SimpleNamespace
 
-    from qkvlab.experiments.results import has_own_reference
+    from qkvlab.experiments.results import compared_at_own_shape
 
     def group(family: str, budget: float | None, width: int = 64) -> SimpleNamespace:
         config = SimpleNamespace(model=SimpleNamespace(n_embd=width, n_layer=4),
@@ -390,8 +390,11 @@ def test_a_group_at_another_budget_is_paired_with_its_own_budgets_reference():
 
     ref, ref_1e13 = group("baseline", 4e13), group("baseline", 1e13)
     qid_4e13, qid_1e13 = group("qid", 4e13), group("qid", 1e13)
-    lone = group("qid", 1.6e14)  # no baseline at its budget: paired with the reference
-    groups = [ref, ref_1e13, qid_4e13, qid_1e13, lone]
-    assert not has_own_reference(qid_4e13, ref, groups)
-    assert has_own_reference(qid_1e13, ref, groups) and has_own_reference(ref_1e13, ref, groups)
-    assert not has_own_reference(lone, ref, groups)
+    lone = group("qid", 1.6e14)  # no baseline at its budget: a gap would compare budgets
+    narrow = group("qid", 4e13, width=48)  # matched in parameters: the spec's comparison
+    groups = [ref, ref_1e13, qid_4e13, qid_1e13, lone, narrow]
+    assert not compared_at_own_shape(qid_4e13, ref, groups)
+    assert compared_at_own_shape(qid_1e13, ref, groups)
+    assert compared_at_own_shape(ref_1e13, ref, groups)
+    assert compared_at_own_shape(lone, ref, groups)
+    assert not compared_at_own_shape(narrow, ref, groups)

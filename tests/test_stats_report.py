@@ -121,7 +121,7 @@ n_embd = 12
     paired = text.split("## Paired differences")[1].split("\n## ")[0]
     assert "| qid |" in paired and "qid-wide" not in paired
     assert "2 group(s) at another width, depth or budget than the baseline (d = 16, 1 layers) " \
-        "have a reference of their own shape" in text
+        "are not paired with it here" in text
 
 
 def test_a_sweep_over_learning_rates_pairs_each_group_with_the_baseline_at_its_lr(

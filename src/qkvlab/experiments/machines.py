@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from qkvlab.experiments.results import GroupResult, Report, has_own_reference, paired_shape
+from qkvlab.experiments.results import GroupResult, Report, compared_at_own_shape, paired_shape
 from qkvlab.experiments.runs import RunData
 from qkvlab.experiments.sweep import MAX_SESSIONS
 from qkvlab.run.layout import SUMMARY_FILE
@@ -62,11 +62,11 @@ def run_machine(run: RunData, sessions: dict[str, Any] | None) -> dict[str, str]
 
 def _references(g: GroupResult, rep: Report) -> list[GroupResult]:
     """The groups `g` is compared with: the reference, or the reference's family at g's shape
-    for a sweep over widths or budgets (results.has_own_reference)."""
+    for a sweep over widths or budgets (results.compared_at_own_shape)."""
     base = rep.baseline
     if g is base:
         return []
-    if has_own_reference(g, base, rep.groups):
+    if compared_at_own_shape(g, base, rep.groups):
         return [h for h in rep.groups if h.group.family == base.group.family
                 and paired_shape(h) == paired_shape(g)]
     return [base] if g.paired is not None else []

@@ -18,8 +18,8 @@ from qkvlab.experiments.results import (
     Report,
     SettingGap,
     TrendAxis,
+    compared_at_own_shape,
     grid_families,
-    has_own_reference,
     paired_shape,
     scanned_settings,
 )
@@ -92,9 +92,9 @@ def verdict(g: GroupResult, ref: str = "the baseline") -> str:
 
 def verdicts(rep: Report) -> list[str]:
     """The verdict of each variant against the reference, then one line counting the groups
-    compared at their own width instead and one naming those that have no paired seed yet (a
+    compared at their own shape instead and one naming those that have no paired seed yet (a
     scan in progress has dozens)."""
-    others = [g for g in rep.groups if has_own_reference(g, rep.baseline, rep.groups)]
+    others = [g for g in rep.groups if compared_at_own_shape(g, rep.baseline, rep.groups)]
     elsewhere = {id(g) for g in others}
     unpaired = [g for g in rep.groups if g is not rep.baseline and id(g) not in elsewhere
                 and (g.paired is None or g.paired.mean is None)]
@@ -105,8 +105,8 @@ def verdicts(rep: Report) -> list[str]:
         width, depth, budget = paired_shape(rep.baseline)
         at = f"d = {width}, {depth} layers" + (f", {budget:.3g} FLOPs" if budget else "")
         lines.append(f"{len(others)} group(s) at another width, depth or budget than {rep.ref} "
-                     f"({at}) have a reference of their own shape, so none is paired with it "
-                     "here: the sections below compare each shape's arms.")
+                     f"({at}) are not paired with it here (the gap would compare two sizes of "
+                     "model or two budgets): the sections below compare each shape's arms.")
     if unpaired and not rep.baseline.loss.n:
         lines.append(f"{rep.ref} has no finished run yet, so no variant is paired with it "
                      "(--versus GROUP names another reference).")

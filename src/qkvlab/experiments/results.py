@@ -189,23 +189,28 @@ def paired_shape(g: GroupResult) -> tuple[int, int, float | None]:
     return cfg.model.n_embd, cfg.model.n_layer, cfg.train.flop_budget
 
 
-def has_own_reference(g: GroupResult, ref: GroupResult, groups: list[GroupResult]) -> bool:
-    """Whether `g` has another width, depth or FLOP budget than `ref` and the sweep runs
-    `ref`'s family there too: a sweep over widths or budgets, whose gaps are taken at each
-    (trend_gaps, tuned_gaps, the scale scan, the IsoFLOP minima), so a gap to `ref` would
-    compare two sizes of model or two budgets. A group with no reference of its shape (a
-    narrower model matched in parameters) is paired with `ref`, as the spec means."""
-    return paired_shape(g) != paired_shape(ref) and any(
-        h.group.family == ref.group.family and paired_shape(h) == paired_shape(g)
-        for h in groups)
+def compared_at_own_shape(g: GroupResult, ref: GroupResult, groups: list[GroupResult]) -> bool:
+    """Whether `g` is compared at its own shape rather than with `ref`: it has another width,
+    depth or FLOP budget than `ref` and the sweep runs `ref`'s family there too (a sweep over
+    widths or budgets, whose gaps are taken at each: trend_gaps, tuned_gaps, the scale scan,
+    the IsoFLOP minima), or it trains for another FLOP budget than `ref` (a gap would compare
+    two budgets; the IsoFLOP section compares it with its own budget's reference, if any). A
+    group at another width with no reference there (a narrower model matched in parameters) is
+    paired with `ref`, as the spec means."""
+    mine, theirs = paired_shape(g), paired_shape(ref)
+    if mine == theirs:
+        return False
+    if None not in (mine[2], theirs[2]) and mine[2] != theirs[2]:
+        return True
+    return any(h.group.family == ref.group.family and paired_shape(h) == mine for h in groups)
 
 
 def pair_with_reference(results: list[GroupResult], baseline: GroupResult) -> None:
     """Fill in each group's paired tests against `baseline`, over the seeds both finished (none
-    for a group that has a reference of its own width, `has_own_reference`)."""
+    for a group compared at its own shape, `compared_at_own_shape`)."""
     base_by_seed = {r.seed: r for r in baseline.runs if r.status == "done"}
     for g in results:
-        if g is baseline or has_own_reference(g, baseline, results):
+        if g is baseline or compared_at_own_shape(g, baseline, results):
             continue
         pairs = [(r, base_by_seed[r.seed]) for r in g.runs
                  if r.status == "done" and r.seed in base_by_seed]
@@ -412,8 +417,8 @@ def mean_band(curves: list[dict[int, float]]) -> tuple[list[int], list[float], l
 
 def rel_curves(rep: Report, g: GroupResult) -> tuple[list[int], list[float], list[float], int]:
     """Per step, the paired relative difference 100 (L_g - L_b) / L_b: mean and std over seeds
-    (none for a group that has a reference of its own width, `has_own_reference`)."""
-    if has_own_reference(g, rep.baseline, rep.groups):
+    (none for a group compared at its own shape, `compared_at_own_shape`)."""
+    if compared_at_own_shape(g, rep.baseline, rep.groups):
         return [], [], [], 0
     base = {r.seed: r.curve for r in rep.baseline.runs if r.status == "done"}
     rels = []
@@ -466,7 +471,7 @@ class FitRow:
 def fit_rows(rep: Report) -> list[FitRow]:
     """One row per group with finished runs: is a gap a fitting deficit (train loss higher
     too) or a generalisation one (train loss lower), and does early stopping change it? (No
-    pairing for a group that has a reference of its own width, `has_own_reference`.)"""
+    pairing for a group compared at its own shape, `compared_at_own_shape`.)"""
     base = {r.seed: r for r in rep.baseline.runs if r.status == "done"}
     rows = []
     for g in rep.groups:
@@ -477,7 +482,7 @@ def fit_rows(rep: Report) -> list[FitRow]:
         pairs = [(r, base[r.seed]) for r in done if r.seed in base and base[r.seed].best
                  and base[r.seed].train_tail is not None]
         vs = (g is not rep.baseline and bool(pairs)
-              and not has_own_reference(g, rep.baseline, rep.groups))
+              and not compared_at_own_shape(g, rep.baseline, rep.groups))
         rows.append(FitRow(
             g.group.name, summarize([r.train_tail for r in done]),
             summarize([r.best[1] for r in done]),
