@@ -196,8 +196,10 @@ def test_an_lr_scan_is_one_model_at_one_budget_at_several_lrs():
               at("q", 64, 1.6e-2, 1.68), at("q-lr8e-3", 64, 8e-3, 1.67),
               at("q-lr4e-3", 64, 4e-3, 1.665),
               at("b", 128, 1.6e-2, 1.75), at("b-lr8e-3", 128, 8e-3, 1.7),  # two lrs: no scan
-              at("q-wd", 64, 8e-3, 1.60, wd=0.01)]  # another weight decay: not q's scan
-    (b, q) = lr_scans(SimpleNamespace(groups=groups))
+              at("q-wd", 64, 8e-3, 1.60, wd=0.01),  # another weight decay: not q's scan
+              *(at(f"b-lr{lr}", 192, lr, 1.6) for lr in (8e-3, 4e-3, 2e-3))]
+    (b, q, only_scan) = lr_scans(SimpleNamespace(groups=groups))
+    assert only_scan.arm == "b"  # the arm, in whole words: not "b-lr"
     assert (b.arm, b.width, b.seed) == ("b", 64, 1)
     assert [p.lr for p in b.points] == [4e-3, 8e-3, 1.6e-2]
     assert (b.best.lr, b.best.family, b.bracketed) == (8e-3, "b-lr8e-3", True)

@@ -263,8 +263,10 @@ class LrScan:
 
 
 def _shared_name(families: list[str]) -> str:
-    prefix = os.path.commonprefix(families).rstrip("-._")
-    return prefix or " / ".join(dict.fromkeys(families))
+    """The arm the families share, whole dash-separated words: "baseline" for baseline-lr4e-3
+    and baseline-lr2e-3 (a character prefix would leave "baseline-lr")."""
+    words = os.path.commonprefix([f.split("-") for f in families])
+    return "-".join(words) or " / ".join(dict.fromkeys(families))
 
 
 SCAN_LRS = 3  # through two lrs the better one is an end: a bound, not a scan's best
