@@ -234,6 +234,7 @@ def test_families_gaps_at_one_budget_are_drawn_side_by_side_not_on_one_x():
     assert math.log10(near["c"] / near["b"]) == pytest.approx(0.02)  # visible on a short axis
     far = _nudges(["a", "b"], [1e13, 1e19])  # with the paper's run, the axis spans decades
     assert math.log10(far["b"] / far["a"]) == pytest.approx(0.02 * 6)
+    assert _nudges([], []) == {}  # no family with fresh seeds yet: nothing to place
 
 
 @pytest.mark.parametrize("law", [(1.5, 60.0, 0.35, 200.0, 0.33), (1.2, 400.0, 0.5, 50.0, 0.2)])

@@ -108,7 +108,7 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
     margin_band(ax, margin_pct)
     drawn = [f for f in families
              if any(g.family == f and g.fresh and g.fresh.rel_pct is not None for g in gaps)]
-    nudge = _nudges(drawn, [g.budget for g in gaps] + [extrapolate_to or gaps[0].budget])
+    nudge = _nudges(drawn, [g.budget for g in gaps] + ([extrapolate_to] if extrapolate_to else []))
     for fam in drawn:  # a family without fresh seeds at its minima: nothing to draw, no legend
         mine = [g for g in gaps if g.family == fam and g.fresh and g.fresh.rel_pct is not None]
         xs = [g.budget * nudge[fam] for g in mine]
@@ -156,6 +156,8 @@ def _nudges(families: list[str], xs: list[float]) -> dict[str, float]:
     """A factor on each family's budgets that sets their points side by side (a fiftieth of
     the axis's decades apart, at least 0.02 decade), so error bars at one budget do not hide
     each other."""
+    if not families:
+        return {}
     decades = max(math.log10(max(xs) / min(xs)), 1.0)
     mid = (len(families) - 1) / 2
     return {f: 10 ** (0.02 * decades * (i - mid)) for i, f in enumerate(families)}
