@@ -171,6 +171,7 @@ def test_a_family_is_compared_with_the_family_its_versus_names():
     gaps = budget_gaps(curves, "baseline", {"qid-half-lr": "baseline-half-lr"})
     half = [g for g in gaps if g.family == "qid-half-lr"]
     assert [g.reference.startswith("baseline-half-lr") for g in half] == [True, True]
+    assert {g.reference_family for g in half} == {"baseline-half-lr"}  # the figure's legend
     # the half-lr baseline sits 0.1 below, W_Q = I only 0.05: its gap is ~ +0.05 over ~1.9
     assert half[0].fresh.test.mean == pytest.approx(0.05 + np.mean([-0.01 + 0.001 * (s - 3)
                                                                for s in (2, 3, 4)]))

@@ -155,11 +155,13 @@ class BudgetGap:
     fresh: PairedRelative | None  # over the seeds that did not pick either minimum
     vertex_gap_pct: float | None  # the parabolas' minima, at the curve's seed
     shapes: str = ""  # the two minima's d x L, e.g. "d 64 x 2 vs d 64 x 2"
+    reference_family: str = ""  # the family `reference` heads the minimum of
     p_holm: float | None = None
 
     def as_dict(self, margin_pct: float) -> dict[str, Any]:
         return {"flop_budget": self.budget, "family": self.family, "group": self.group,
-                "reference": self.reference, "shapes": self.shapes,
+                "reference": self.reference, "reference_family": self.reference_family,
+                "shapes": self.shapes,
                 "vertex_gap_pct": self.vertex_gap_pct,
                 "fresh_seeds": self.fresh.as_dict(margin_pct) if self.fresh else None,
                 "p_holm": self.p_holm}
@@ -324,7 +326,7 @@ def budget_gaps(curves: list[IsoCurve], reference: str,
         vgap = 100.0 * (cv[1] / rv[1] - 1.0) if cv and rv and c.inside and r.inside else None
         shapes = f"d {mine.width} x {mine.depth} vs d {theirs.width} x {theirs.depth}"
         gaps.append(BudgetGap(c.budget, c.family, mine.group, theirs.group, fresh, vgap,
-                              shapes))
+                              shapes, theirs_family))
     # Holm over the budgets of each comparison (a family meets one reference): the question
     # "does this family differ from that one" is asked once per budget
     for family in dict.fromkeys(g.family for g in gaps):

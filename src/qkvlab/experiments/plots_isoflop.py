@@ -118,7 +118,7 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
         hi = [(g.fresh.rel_ci[1] if g.fresh.rel_ci[1] is not None else y) - y
               for y, g in zip(ys, mine, strict=True)]
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=colors[fam],
-                    label=f"{fam} vs {mine[0].reference}: minima's gap (fresh seeds)")
+                    label=f"{fam} vs {mine[0].reference_family}: minima's gap (fresh seeds)")
         for g, x, y in zip(mine, xs, ys, strict=True):  # which sizes each gap compares
             left = x == max(xs) and len(xs) > 1  # the rightmost label would leave the axes
             ax.annotate(g.shapes, (x, y), xytext=(-6 if left else 6, 4), fontsize=7,
