@@ -162,7 +162,7 @@ def _isoflop(rep: Report, groups: dict[str, GroupResult], gaps: list[BudgetGap])
         assert b.fresh is not None  # only gaps with fresh seeds are passed
         ref = groups[b.reference]
         c = Comparison(b.group, b.reference, b.family, {"FLOPs": b.budget}, result=b.fresh,
-                       p_holm=b.p_holm, reference_family=ref.group.family,
+                       p_holm=b.p_holm, reference_family=b.reference_family,
                        **_sides(groups[b.group], ref))
         c.equivalence = b.fresh.equivalence(rep.margin_pct)
         rows.append(c)

@@ -155,7 +155,7 @@ class BudgetGap:
     fresh: PairedRelative | None  # over the seeds that did not pick either minimum
     vertex_gap_pct: float | None  # the parabolas' minima, at the curve's seed
     shapes: str = ""  # the two minima's d x L, e.g. "d 64 x 2 vs d 64 x 2"
-    reference_family: str = ""  # the family `reference` heads the minimum of
+    reference_family: str = ""  # the family whose minimum `reference` is
     p_holm: float | None = None
 
     def as_dict(self, margin_pct: float) -> dict[str, Any]:
