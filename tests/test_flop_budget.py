@@ -241,13 +241,18 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
         arm = "baseline" if g.family.startswith("baseline") else "q-identity"
         assert m.projection == arm
         assert m.alpha == pytest.approx(1.0 if arm != "baseline" else round(128 / m.n_embd, 3))
-        # W_Q = I meets the baseline at its own lr (`*-lrX`), or each at its best (`*-tuned`)
-        assert g.versus == ("" if arm == "baseline" or g.config.optim.lr == 1.6e-2
-                            else "baseline" + g.family[g.family.index("-lr"):]
-                            if "-lr" in g.family else "baseline-tuned")
+        # W_Q = I meets the baseline at its own lr at that budget, or each at its best (`*-tuned`)
+        if arm == "baseline" or g.config.optim.lr == 1.6e-2:
+            assert g.versus == ""
+        elif g.family.endswith("-tuned"):
+            assert g.versus == "baseline-tuned"
+        else:
+            assert {h.config.optim.lr for h in groups if h.family == g.versus and (
+                g.versus != "baseline-tuned"
+                or h.config.train.flop_budget == cfg.train.flop_budget)} == {cfg.optim.lr}
     # the lr checks at each budget's minimum, each arm's lrs stepped down by factors of 2 until
     # its best is bracketed; `*-tuned`: each arm at the lr that was best at that budget's
-    # minimum, with the sizes beside it; 1.6e14 starts with its lr scan
+    # minimum, with the sizes beside it; at 1.6e14 after an lr scan at d 64 x 8
     checks = [g for g in groups if "-lr" in g.name]
     got = {(g.family, g.config.optim.lr, g.config.model.n_embd, g.config.model.n_layer,
             g.config.train.flop_budget) for g in checks}
@@ -256,12 +261,13 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
              | {("baseline-tuned", 4e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))}
              | {("q-identity-tuned", 2e-3, d, n, 4e13) for d, n in ((64, 2), (64, 4), (128, 4))}
              | {("q-identity-wide-tuned", 4e-3, d, n, 4e13)
-                for d, n in ((64, 2), (64, 4), (128, 4))})
+                for d, n in ((64, 2), (64, 4), (128, 4))}
+             | {("baseline-tuned", 4e-3, d, n, 1.6e14) for d, n in ((64, 4), (64, 8), (128, 4))})
     scans = ({(f"{arm}-lr{lr}", float(lr), 64, 2, 1e13) for arm in arms for lr in ("8e-3", "2e-3")}
              | {("baseline-lr8e-3", 8e-3, 64, 4, 4e13), ("baseline-lr2e-3", 2e-3, 64, 4, 4e13)}
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
              | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14) for arm in arms
-                for lr in ("8e-3", "4e-3", "2e-3", "1e-3")}
+                for lr in ("8e-3", "2e-3", "1e-3")} | {("q-identity-lr4e-3", 4e-3, 64, 8, 1.6e14)}
              | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "2e-3")})
     assert got == tuned | scans and len(checks) == len(got)
     for g in checks:  # the wider MLP at every lr: 4d + d/2, the d^2 per layer W_Q = I saves
@@ -276,7 +282,8 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
                      | {(arm, 64, 2, b) for arm in arms for b in (1e13, 4e13)}
                      | {(arm, 64, 1, 1e13) for arm in arms}
                      | {("q-identity-wide", d, 4, 4e13) for d in widths}
-                     | {("q-identity-wide", 64, 2, 4e13)})
+                     | {("q-identity-wide", 64, 2, 4e13)}
+                     | {("q-identity", 64, 8, 1.6e14)})  # the top of 1.6e14's lr scan
     params = {(g.family, g.config.model.n_embd, g.config.model.n_layer):
               count_params(g.config.model).non_embedding for g in groups}
     for g in groups:
