@@ -264,7 +264,7 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
                 for d, n in ((64, 2), (64, 4), (128, 4))}
              | {(f"{arm}-tuned", lr, d, n, 1.6e14)
                 for arm, lr in zip(arms, (4e-3, 8e-3), strict=True)
-                for d, n in ((64, 4), (64, 8), (128, 4))})
+                for d, n in ((64, 4), (64, 8), (128, 4), (192, 4))})
     scans = ({(f"{arm}-lr{lr}", float(lr), 64, 2, 1e13) for arm in arms for lr in ("8e-3", "2e-3")}
              | {("baseline-lr8e-3", 8e-3, 64, 4, 4e13), ("baseline-lr2e-3", 2e-3, 64, 4, 4e13)}
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
