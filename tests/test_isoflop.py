@@ -225,6 +225,25 @@ def test_the_gap_trend_is_least_squares_in_log_compute():
     assert gap_trend(gaps[:2], "qid") is None
 
 
+def test_an_extrapolated_gap_line_gets_a_panel_of_its_own(tmp_path, monkeypatch):
+    import qkvlab.experiments.plots_isoflop as plots
+
+    gaps = budget_gaps(isoflop_curves(sweep(budgets=(1e13, 1e14, 1e15))), "baseline")
+    spans, real_save = {}, plots.save
+
+    def keep(plt, fig, path):
+        spans[path.name] = [ax.get_xlim() for ax in fig.axes]
+        real_save(plt, fig, path)
+
+    monkeypatch.setattr(plots, "save", keep)
+    plots.plot_gap_trend(gaps, [gap_trend(gaps, "qid")], 0.5, "t", tmp_path / "line.png",
+                         extrapolate_to=4e19)
+    plots.plot_gap_trend(gaps, [], 0.5, "t", tmp_path / "none.png", extrapolate_to=4e19)
+    (run, far), (alone,) = spans["line.png"], spans["none.png"]
+    # the budgets run keep an axis of their own; only the second panel reaches the paper's run
+    assert run[1] < 1e16 and far[1] > 4e19 and alone[1] < 1e16
+
+
 def test_families_gaps_at_one_budget_are_drawn_side_by_side_not_on_one_x():
     from qkvlab.experiments.plots_isoflop import _nudges
 

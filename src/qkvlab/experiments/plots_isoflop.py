@@ -98,58 +98,74 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
                    title: str, path: Path, extrapolate_to: float | None = None,
                    colors: dict[str, str] | None = None) -> None:
     """Each family's gap of the minima (fresh seeds: mean and 95% interval, % of the reference's
-    loss) against training FLOPs, the fitted line with its 95% band, dashed past the budgets
-    run to `extrapolate_to` (the paper's run), where the extrapolation is marked. Families'
-    points at one budget sit side by side (`_nudges`); their lines run through the budgets."""
+    loss) against training FLOPs, with the fitted line and its 95% band across the budgets run;
+    where a line is extrapolated (`extrapolate_to`, the paper's run) a second panel carries it
+    there, dashed, so the extrapolation's axis does not squeeze the budgets run into a corner."""
     plt = pyplot()
     families = list(dict.fromkeys(g.family for g in gaps))
     colors = colors or variant_colors(families)
-    fig, (ax,) = facets(plt, 1, ncols=1, panel=(6.4, 3.8))
-    margin_band(ax, margin_pct)
+    far = extrapolate_to if trends else None
+    fig, axes = facets(plt, 2 if far else 1, ncols=2, panel=(6.4, 3.8))
     drawn = [f for f in families
              if any(g.family == f and g.fresh and g.fresh.rel_pct is not None for g in gaps)]
-    nudge = _nudges(drawn, [g.budget for g in gaps] + ([extrapolate_to] if extrapolate_to else []))
+    nudge = _nudges(drawn, [g.budget for g in gaps])
+    lined = {t.family for t in trends}
     for fam in drawn:  # a family without fresh seeds at its minima: nothing to draw, no legend
         mine = [g for g in gaps if g.family == fam and g.fresh and g.fresh.rel_pct is not None]
-        xs = [g.budget * nudge[fam] for g in mine]
-        ys = [g.fresh.rel_pct for g in mine]
-        lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
-              for y, g in zip(ys, mine, strict=True)]
-        hi = [(g.fresh.rel_ci[1] if g.fresh.rel_ci[1] is not None else y) - y
-              for y, g in zip(ys, mine, strict=True)]
-        ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=colors[fam],
-                    label=f"{fam} vs {mine[0].reference_family}: minima's gap (fresh seeds)")
-        for g, x, y in zip(mine, xs, ys, strict=True):  # which sizes each gap compares
-            left = x == max(xs) and len(xs) > 1  # the rightmost label would leave the axes
-            ax.annotate(g.shapes, (x, y), xytext=(-6 if left else 6, 4), fontsize=7,
-                        textcoords="offset points", ha="right" if left else "left",
-                        color=colors[fam])
+        # which sizes each gap compares, on the lined families' points only where there are
+        # lines: every family's labels at one budget overprint each other
+        _gap_points(axes[0], mine, nudge[fam], colors[fam], labels=not lined or fam in lined)
         trend = next((t for t in trends if t.family == fam), None)
-        if trend and xs:
-            ends = [min(g.budget for g in mine), max(g.budget for g in mine)]
-            for span, style in ((ends, "-"), ([ends[1], extrapolate_to], "--")):
-                if span[1] is None:
-                    continue
-                grid = np.geomspace(span[0], span[1], 40)
-                mid = [trend.at(c) for c in grid]
-                ax.plot(grid, [m[0] for m in mid], style, color=colors[fam], lw=1)
-                ax.fill_between(grid, [m[1] for m in mid], [m[2] for m in mid],
-                                color=colors[fam], alpha=0.12, lw=0)
-            if extrapolate_to:
-                at = trend.at(extrapolate_to)
-                ax.errorbar([extrapolate_to], [at[0]], yerr=[[at[0] - at[1]], [at[2] - at[0]]],
-                            fmt="D", mfc="none", capsize=3, color=colors[fam],
-                            label=f"{fam}: extrapolated to the paper's run")
-    ax.set_xscale("log")
-    ax.set(xlabel="training FLOPs (qkvlab's count)",
-           ylabel="gap to the reference (% of its final val loss)")
-    ax.grid(alpha=0.3)
-    legend_beside(ax)
+        if trend:
+            ends = (min(g.budget for g in mine), max(g.budget for g in mine))
+            _trend_line(axes[0], trend, ends, "-", colors[fam])
+            if far:
+                _trend_line(axes[1], trend, ends, "-", colors[fam])
+                _trend_line(axes[1], trend, (ends[1], far), "--", colors[fam])
+                at = trend.at(far)
+                axes[1].errorbar([far], [at[0]], yerr=[[at[0] - at[1]], [at[2] - at[0]]],
+                                 fmt="D", mfc="none", capsize=3, color=colors[fam],
+                                 label=f"{fam}: its line at the paper's run ({far:.2g} FLOPs)")
+    for ax, what in zip(axes, ("the budgets run", "the line carried to the paper's run"),
+                        strict=False):
+        margin_band(ax, margin_pct)
+        ax.set_xscale("log")
+        ax.set(xlabel="training FLOPs (qkvlab's count)",
+               ylabel="gap to the reference (% of its final val loss)", title=what)
+        ax.grid(alpha=0.3)
+        ax.margins(x=0.08)  # the points nudged beside the last budget stay inside the axes
+        legend_beside(ax)
     how = ("line: least squares in log10 C with its 95% band; dashed: an extrapolation "
            "across orders of magnitude, not a measurement" if trends else
            f"no line: it takes {TREND_BUDGETS} budgets with fresh seeds")
     suptitle(fig, f"{title}\n{how}; labels: the two minima's d x layers")
     save(plt, fig, path)
+
+
+def _gap_points(ax, mine: list[BudgetGap], nudge: float, color: str, labels: bool) -> None:
+    """One family's gaps over fresh seeds: mean and 95% interval, labelled with their shapes."""
+    xs = [g.budget * nudge for g in mine]
+    ys = [g.fresh.rel_pct for g in mine]
+    lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
+          for y, g in zip(ys, mine, strict=True)]
+    hi = [(g.fresh.rel_ci[1] if g.fresh.rel_ci[1] is not None else y) - y
+          for y, g in zip(ys, mine, strict=True)]
+    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=color,
+                label=f"{mine[0].family} vs {mine[0].reference_family}: minima's gap "
+                      "(fresh seeds)")
+    for g, x, y in zip(mine, xs, ys, strict=True) if labels else ():
+        left = x == max(xs) and len(xs) > 1  # the rightmost label would leave the axes
+        ax.annotate(g.shapes, (x, y), xytext=(-6 if left else 6, 4), fontsize=7,
+                    textcoords="offset points", ha="right" if left else "left", color=color)
+
+
+def _trend_line(ax, trend: GapTrend, span: tuple[float, float], style: str, color: str) -> None:
+    """The fitted gap line over `span` (FLOPs) with its 95% band."""
+    grid = np.geomspace(span[0], span[1], 40)
+    mid = [trend.at(c) for c in grid]
+    ax.plot(grid, [m[0] for m in mid], style, color=color, lw=1)
+    ax.fill_between(grid, [m[1] for m in mid], [m[2] for m in mid], color=color, alpha=0.12,
+                    lw=0)
 
 
 def _nudges(families: list[str], xs: list[float]) -> dict[str, float]:
