@@ -19,6 +19,7 @@ from qkvlab.experiments.plot_layout import (  # noqa: E402
     MAX_SERIES,
     arm_colors,
     chunks,
+    ci_bars,
     legend_beside,
     nudges,
     variant_looks,
@@ -70,6 +71,11 @@ def test_nudges_put_series_at_one_setting_side_by_side_around_it():
         xs = nudges(n)
         assert len(set(xs)) == n and xs == sorted(xs)
         assert xs[0] * xs[-1] == pytest.approx(1.0)  # centred on the setting, on a log axis
+
+
+def test_error_bars_reach_each_gaps_interval_and_none_without_one():
+    # a gap of +1% with interval [0.5%, 2%]; a reference or single seed with none
+    assert ci_bars([(1.0, (0.5, 2.0)), (0.0, (None, None))]) == [[0.5, 0.0], [1.0, 0.0]]
 
 
 def test_a_legend_beside_the_axes_hides_no_data():

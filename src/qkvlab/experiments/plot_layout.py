@@ -129,6 +129,14 @@ def log2_axis(ax, xs: list[float], label: str, fmt: str = ".3g") -> None:
     ax.grid(alpha=0.3)
 
 
+def ci_bars(gaps: Sequence[tuple[float, tuple[float | None, float | None]]]
+            ) -> list[list[float]]:
+    """Error bar lengths below and above each gap (in %) from its 95% interval, as
+    `errorbar`'s yerr takes them; 0 where there is no interval (one seed, or the reference)."""
+    return [[y - lo if lo is not None else 0.0 for y, (lo, _) in gaps],
+            [hi - y if hi is not None else 0.0 for y, (_, hi) in gaps]]
+
+
 def margin_band(ax, margin_pct: float | None) -> None:
     """The equivalence margin around 0 on a gap axis (in % of the reference), and 0 itself."""
     ax.axhline(0, color="gray", lw=0.8)

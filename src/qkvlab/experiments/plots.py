@@ -15,6 +15,7 @@ from qkvlab.experiments.plot_layout import (
     MAX_SERIES,
     arm_colors,
     chunks,
+    ci_bars,
     facets,
     legend_beside,
     log2_axis,
@@ -177,9 +178,8 @@ def _gap_xy(gaps: list[SettingGap], x: Callable[[SettingGap], float], best: bool
     as error bar lengths below and above (0 for one seed)."""
     rs = [(x(w), w.best if best else w.result) for w in gaps]
     rs = [(v, r) for v, r in rs if r.rel_pct is not None]
-    lo = [r.rel_pct - r.rel_ci[0] if r.rel_ci[0] is not None else 0.0 for _, r in rs]
-    hi = [r.rel_ci[1] - r.rel_pct if r.rel_ci[1] is not None else 0.0 for _, r in rs]
-    return [v for v, _ in rs], [r.rel_pct for _, r in rs], [lo, hi]
+    return ([v for v, _ in rs], [r.rel_pct for _, r in rs],
+            ci_bars([(r.rel_pct, r.rel_ci) for _, r in rs]))
 
 
 def plot_gaps(panels: list[tuple[str, list[SettingGap]]], axis: TrendAxis, ref: str,
@@ -305,17 +305,12 @@ def _paired_xy(rep: Report, groups: list[GroupResult], key: str, shift: float
                ) -> tuple[list[float], list[float], list[list[float]]]:
     """x, the paired gap to the reference in % and its 95% interval as error bar lengths, for
     the groups with a paired test (the reference itself sits at 0)."""
-    xs, ys, lo, hi = [], [], [], []
+    xs, gaps = [], []
     for g in groups:
-        x = getattr(g.group.config.optim, key) * shift
-        if g is rep.baseline:
-            xs.append(x), ys.append(0.0), lo.append(0.0), hi.append(0.0)
-        elif g.rel_pct is not None:
-            xs.append(x)
-            ys.append(g.rel_pct)
-            lo.append(g.rel_pct - g.rel_ci[0] if g.rel_ci[0] is not None else 0.0)
-            hi.append(g.rel_ci[1] - g.rel_pct if g.rel_ci[1] is not None else 0.0)
-    return xs, ys, [lo, hi]
+        if g is rep.baseline or g.rel_pct is not None:
+            xs.append(getattr(g.group.config.optim, key) * shift)
+            gaps.append((0.0, (None, None)) if g is rep.baseline else (g.rel_pct, g.rel_ci))
+    return xs, [y for y, _ in gaps], ci_bars(gaps)
 
 
 def comparison_label(c: Comparison, settings: bool = True, alpha: bool = False) -> str:

@@ -18,6 +18,7 @@ from qkvlab.experiments.isoflop import (
     LrScan,
 )
 from qkvlab.experiments.plot_layout import (
+    ci_bars,
     facets,
     legend_beside,
     log2_axis,
@@ -145,12 +146,9 @@ def plot_gap_trend(gaps: list[BudgetGap], trends: list[GapTrend], margin_pct: fl
 def _gap_points(ax, mine: list[BudgetGap], nudge: float, color: str, labels: bool) -> None:
     """One family's gaps over fresh seeds: mean and 95% interval, labelled with their shapes."""
     xs = [g.budget * nudge for g in mine]
-    ys = [g.fresh.rel_pct for g in mine]
-    lo = [y - (g.fresh.rel_ci[0] if g.fresh.rel_ci[0] is not None else y)
-          for y, g in zip(ys, mine, strict=True)]
-    hi = [(g.fresh.rel_ci[1] if g.fresh.rel_ci[1] is not None else y) - y
-          for y, g in zip(ys, mine, strict=True)]
-    ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o", capsize=3, color=color,
+    gaps = [(g.fresh.rel_pct, g.fresh.rel_ci) for g in mine]
+    ys = [y for y, _ in gaps]
+    ax.errorbar(xs, ys, yerr=ci_bars(gaps), fmt="o", capsize=3, color=color,
                 label=f"{mine[0].family} vs {mine[0].reference_family}: minima's gap "
                       "(fresh seeds)")
     for g, x, y in zip(mine, xs, ys, strict=True) if labels else ():
