@@ -270,8 +270,9 @@ def test_the_isoflop_spec_trains_each_size_for_exactly_its_budget():
              | {(f"q-identity-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "4e-3", "1e-3")}
              | {(f"{arm}-lr{lr}", float(lr), 64, 8, 1.6e14)
                 for arm in arms for lr in ("2e-3", "1e-3")}
-             | {("baseline-lr8e-3", 8e-3, 64, 8, 1.6e14),
-                ("q-identity-lr4e-3", 4e-3, 64, 8, 1.6e14)}
+             | {(f"{arm}-lr{lr}", float(lr), d, n, 1.6e14)  # each towards the other's lr
+                for arm, lr in (("baseline", "8e-3"), ("q-identity", "4e-3"))
+                for d, n in ((64, 8), (128, 4))}
              | {(f"q-identity-wide-lr{lr}", float(lr), 64, 4, 4e13) for lr in ("8e-3", "2e-3")})
     assert got == tuned | scans and len(checks) == len(got)
     for g in checks:  # the wider MLP at every lr: 4d + d/2, the d^2 per layer W_Q = I saves
