@@ -416,6 +416,18 @@ def test_reuse_copies_finished_runs_of_the_same_config(data_dir, tmp_path, capsy
     assert sum(r["reused_from"] is not None for r in rep["runs"]) == 4
     assert f"4 run(s) copied from the sweep `{first.name}`" in \
         (tmp_path / "r" / "report.md").read_text()
+    # a sweep that reused an archive's runs, archived back into it: the copies are not copied
+    # back (the archive's runs would gain a reused.json naming themselves), the new runs are
+    arch, more = tmp_path / "docs" / "tiny", tmp_path / "more"
+    assert main(["archive", str(first), str(arch)]) == 0
+    assert main(["sweep", str(tmp_path / "a" / "tiny.toml"), "--out", str(more), "--seeds",
+                 "1,3", "--reuse", str(arch)]) == 0
+    assert (more / "baseline" / "seed-1" / "reused.json").is_file()
+    capsys.readouterr()
+    assert main(["archive", str(more), str(arch)]) == 0
+    assert "copied the records of 2 runs" in capsys.readouterr().out
+    assert not list(arch.rglob("reused.json"))
+    assert (arch / "baseline" / "seed-3" / "summary.json").is_file()
     # another config (a different lr) is not the same run: nothing is copied
     capsys.readouterr()
     assert main(["sweep", str(other), "--out", str(tmp_path / "third"), "--dry-run",

@@ -11,7 +11,8 @@ with its records: without checkpoints the archive could not measure them later. 
 of the same spec (runs of one grid trained on two machines, say) the sweep record is merged: the
 groups of both, and every session of both, so the archive keeps how each of its runs was
 launched, and the spec copy of whichever was launched last (a sweep begun under an older spec
-and archived later does not bring that spec back).
+and archived later does not bring that spec back). A run that `qkvlab sweep --reuse DEST` copied
+from the archive itself is not copied back: the archive holds it already.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
         merged["fingerprint"] = (read_json_record(dest / SWEEP_FILE) or {}).get("fingerprint")
     runs = sorted(p.parent for p in src.glob(f"*/seed-*/{CONFIG_FILE}"))  # every run has one
     finished = {r: cfg for r in runs if (cfg := _finished_config(r))}
-    kept = list(finished) if finished_only else runs
+    kept = [r for r in (list(finished) if finished_only else runs)
+            if not _copied_from(dest, r, src)]
+    left = len(runs) - len(finished) if finished_only else 0
     if attention:  # before any copy, so a run whose data is gone stops the archive unwritten
         for run, cfg in finished.items():
             attention_record(run, cfg.steps, cfg)
@@ -68,7 +71,7 @@ def archive_sweep(src: Path, dest: Path, finished_only: bool = False,
     if merged is not None:
         write_text_atomic(dest / SWEEP_FILE, json.dumps(merged, indent=1) + "\n")
     make_portable(dest)
-    return len(kept), len(runs) - len(kept)
+    return len(kept), left
 
 
 def make_portable(archive: Path) -> int:
@@ -148,6 +151,15 @@ def _last_launch(sweep: Path) -> str:
     """When the sweep's latest session started (ISO 8601, so later sorts later); "" if never."""
     sessions = (read_json_record(sweep / SWEEP_FILE) or {}).get("sessions", [])
     return max((s.get("started", "") for s in sessions), default="")
+
+
+def _copied_from(dest: Path, run: Path, src: Path) -> bool:
+    """`run` is a copy `qkvlab sweep --reuse DEST` made of DEST's own run, which DEST still
+    holds: archived back, it would only gain a reused.json naming itself."""
+    where = run.relative_to(src)
+    came = (read_json_record(run / REUSED_FILE) or {}).get("from")
+    return (came == "/".join((dest.resolve().name, *where.parts))
+            and (dest / where / SUMMARY_FILE).is_file())
 
 
 def _check_destination(src: Path, dest: Path) -> None:
